@@ -1,0 +1,1 @@
+"""labkit: a Jupyter-driven lab for learning and debugging PyTorch parallelism."""
