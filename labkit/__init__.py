@@ -1,1 +1,52 @@
-"""labkit: a Jupyter-driven lab for learning and debugging PyTorch parallelism."""
+"""labkit: a Jupyter-driven lab for learning and debugging PyTorch parallelism.
+
+Kernel side: `Lab` (start ranks, run code on them, pull and push values), the views, and the
+IPython extension (`%load_ext labkit`). Rank side: `span` marks compute regions for the
+timeline. Names load lazily, so a rank importing `labkit.worker` never pulls in the kernel's
+dependencies (IPython, ipywidgets, plotly).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Lab",
+    "LabError",
+    "LabkitWarning",
+    "RemoteError",
+    "Results",
+    "RankResult",
+    "current",
+    "span",
+    "load_ipython_extension",
+    "__version__",
+]
+
+_LAZY = {
+    "Lab": "labkit.lab",
+    "LabkitWarning": "labkit.lab",
+    "current": "labkit.lab",
+    "LabError": "labkit.results",
+    "RemoteError": "labkit.results",
+    "Results": "labkit.results",
+    "RankResult": "labkit.results",
+    "span": "labkit.trace",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'labkit' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
+def load_ipython_extension(ipython: Any) -> None:
+    from labkit.magics import load
+
+    load(ipython)

@@ -1,0 +1,120 @@
+"""Capture a rank's stdout and stderr at the file-descriptor level (runs on the rank).
+
+File descriptors 1 and 2 are replaced by pipes, so everything the process writes is caught:
+Python's print, C++ logs from gloo/NCCL, warnings, subprocesses. One reader thread per pipe
+splits the bytes into whole lines (a `\\r` counts as a line end, for progress bars), forwards
+them with `send(name, text)`, and appends the raw bytes to the rank's log file, which survives
+a crash. A partial line is forwarded after a short quiet period, so a prompt without a newline
+still shows.
+
+`flush()` is the barrier the worker uses at the end of a cell: it writes a marker through each
+pipe and waits until the reader has forwarded everything written before it.
+"""
+
+from __future__ import annotations
+
+import codecs
+import os
+import select
+import sys
+import threading
+from typing import Callable, BinaryIO
+
+MARKER = b"\x1e\x1flabkit-flush\x1f\x1e"
+CHUNK = 64 * 1024
+QUIET = 0.05  # seconds before a partial line is forwarded
+
+
+class _Reader(threading.Thread):
+    def __init__(self, name: str, fd: int, send: Callable[[str, str], None], log: BinaryIO | None):
+        super().__init__(name=f"labkit-{name}", daemon=True)
+        self.stream_name = name
+        self.fd = fd
+        self.send = send
+        self.log = log
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.pending = b""
+        self.flushed = threading.Semaphore(0)
+
+    def _emit(self, data: bytes) -> None:
+        if not data:
+            return
+        if self.log is not None:
+            self.log.write(data)
+            self.log.flush()
+        text = self.decoder.decode(data)
+        for i in range(0, len(text), CHUNK):
+            self.send(self.stream_name, text[i : i + CHUNK])
+
+    def _take(self, data: bytes) -> None:
+        buf = self.pending + data
+        while True:
+            at = buf.find(MARKER)
+            if at < 0:
+                break
+            self._emit(buf[:at])
+            buf = buf[at + len(MARKER) :]
+            self.flushed.release()
+        end = max(buf.rfind(b"\n"), buf.rfind(b"\r"))
+        # keep a possible partial marker at the end for the next read
+        self._emit(buf[: end + 1])
+        self.pending = buf[end + 1 :]
+
+    def _marker_prefix_len(self) -> int:
+        """Length of the longest tail of `pending` that could begin a marker."""
+        for n in range(min(len(self.pending), len(MARKER) - 1), 0, -1):
+            if MARKER.startswith(self.pending[-n:]):
+                return n
+        return 0
+
+    def _emit_pending(self) -> None:
+        keep = self._marker_prefix_len()
+        cut = len(self.pending) - keep
+        self._emit(self.pending[:cut])
+        self.pending = self.pending[cut:]
+
+    def run(self) -> None:
+        while True:
+            quiet = bool(self.pending) and self._marker_prefix_len() < len(self.pending)
+            ready, _, _ = select.select([self.fd], [], [], QUIET if quiet else None)
+            if not ready:
+                self._emit_pending()  # a partial line, quiet for a while: show it
+                continue
+            data = os.read(self.fd, CHUNK)
+            if not data:
+                self._emit(self.pending)
+                return
+            self._take(data)
+            if len(self.pending) > CHUNK:  # a very long line: forward it in pieces
+                self._emit_pending()
+
+
+class Capture:
+    """Replaces fds 1 and 2 of this process with pipes read by forwarding threads."""
+
+    def __init__(self, send: Callable[[str, str], None], log_path: str | None = None):
+        self.log = open(log_path, "ab") if log_path else None
+        self.readers: list[_Reader] = []
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            r, w = os.pipe()
+            os.dup2(w, fd)
+            os.close(w)
+            reader = _Reader(name, r, send, self.log)
+            reader.start()
+            self.readers.append(reader)
+        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
+                          closefd=False)
+        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
+                          closefd=False)
+
+    def flush(self, timeout: float = 5.0) -> None:
+        """Forward everything written so far (called by the rank's main thread)."""
+        for stream in (sys.stdout, sys.stderr, sys.__stdout__, sys.__stderr__):
+            try:
+                stream.flush()
+            except (AttributeError, OSError, ValueError):
+                pass
+        for fd, reader in zip((1, 2), self.readers):
+            os.write(fd, MARKER)
+        for reader in self.readers:
+            reader.flushed.acquire(timeout=timeout)

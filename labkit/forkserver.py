@@ -1,0 +1,158 @@
+"""The clean parent of a lab's ranks (runs as its own process, started by the kernel).
+
+Started as `python -m labkit.forkserver KERNEL_PID`, it imports torch once, never touches CUDA
+(GPUs are counted through NVML), and then forks one rank per `spawn` request, so a start or a
+restart costs a fork instead of a torch import, and CUDA used in the kernel cannot poison a rank.
+
+It talks to the kernel over its stdin/stdout pipes, one JSON object per line:
+
+    kernel -> server: {"cmd": "spawn", "cfg": {...}}   {"cmd": "signal", "pids": [...], "sig": 9}
+    server -> kernel: {"type": "hello", ...facts...}    {"type": "spawned", "rank": r, "pid": p}
+                      {"type": "exited", "pid": p, "rank": r, "code": c, "signal": s}
+
+It only signals pids it forked and has not yet reaped, so a recycled pid is never hit. When the
+kernel dies (stdin closes, or the parent-death signal), it kills its ranks and leaves; each rank
+in turn dies with the server (parent-death signal and a heartbeat check of its parent pid).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import select
+import signal
+import sys
+from typing import Any
+
+PR_SET_PDEATHSIG = 1
+
+
+def die_with_parent(parent: int) -> None:
+    """Ask Linux to SIGKILL this process when its parent dies; leave now if it already has."""
+    try:
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    except (OSError, AttributeError):  # not Linux: the heartbeat checks still apply
+        pass
+    if os.getppid() != parent:
+        os._exit(1)
+
+
+def facts() -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return {"type": "hello", "torch": torch.__version__, "gpus": gpus,
+            "cuda": torch.version.cuda, "gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
+            "mpi": dist.is_mpi_available(), "cpus": os.cpu_count(), "pid": os.getpid(),
+            "python": sys.version.split()[0]}
+
+
+class Server:
+    def __init__(self) -> None:
+        self.children: dict[int, int] = {}  # pid -> rank
+        self.out = os.fdopen(os.dup(1), "w", buffering=1)
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_w, False)
+        signal.set_wakeup_fd(self.wake_w)
+        signal.signal(signal.SIGCHLD, lambda *_: None)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+    def say(self, msg: dict[str, Any]) -> None:
+        self.out.write(json.dumps(msg) + "\n")
+
+    def spawn(self, cfg: dict[str, Any]) -> None:
+        cfg["key"] = bytes.fromhex(cfg["key"])
+        pid = os.fork()
+        if pid == 0:
+            self._child(cfg)
+        self.children[pid] = cfg["rank"]
+        self.say({"type": "spawned", "rank": cfg["rank"], "pid": pid, "gen": cfg["gen"]})
+
+    def _child(self, cfg: dict[str, Any]) -> None:
+        try:
+            parent = os.getppid()
+            signal.set_wakeup_fd(-1)
+            for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_DFL)
+            os.setpgid(0, 0)  # its own group: a signal to one rank never reaches another
+            die_with_parent(parent)
+            devnull = os.open(os.devnull, os.O_RDONLY)
+            os.dup2(devnull, 0)
+            os.dup2(devnull, 1)  # the rank replaces fds 1 and 2 with its own capture pipes
+            for fd in (devnull, self.wake_r, self.wake_w, self.out.fileno()):
+                os.close(fd)
+            from labkit import worker
+
+            worker.run(cfg)
+        finally:
+            os._exit(1)
+
+    def reap(self) -> None:
+        while self.children:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)
+            except ChildProcessError:
+                return
+            if pid == 0:
+                return
+            rank = self.children.pop(pid, None)
+            self.say({"type": "exited", "pid": pid, "rank": rank,
+                      "code": os.waitstatus_to_exitcode(status)})
+
+    def kill(self, pids: list[int], sig: int) -> None:
+        for pid in pids:
+            if pid in self.children:
+                try:
+                    os.kill(pid, sig)
+                except ProcessLookupError:
+                    pass
+
+    def serve(self) -> None:
+        stdin = sys.stdin.buffer
+        buf = b""
+        while True:
+            try:
+                ready, _, _ = select.select([0, self.wake_r], [], [], 1.0)
+            except InterruptedError:
+                continue
+            if self.wake_r in ready:
+                os.read(self.wake_r, 4096)
+            self.reap()
+            if 0 not in ready:
+                continue
+            data = os.read(0, 65536)
+            if not data:  # the kernel is gone
+                break
+            buf += data
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                msg = json.loads(line)
+                if msg["cmd"] == "spawn":
+                    self.spawn(msg["cfg"])
+                elif msg["cmd"] == "signal":
+                    self.kill(msg["pids"], msg["sig"])
+                elif msg["cmd"] == "exit":
+                    self.kill(list(self.children), signal.SIGKILL)
+                    return
+        del stdin
+        self.kill(list(self.children), signal.SIGKILL)
+
+
+def main() -> None:
+    parent = int(sys.argv[1])
+    die_with_parent(parent)
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # count GPUs without initialising CUDA
+    server = Server()
+    import torch  # noqa: F401 - the point of this process: import once, fork many times
+    import torch.distributed  # noqa: F401
+
+    import labkit.worker  # noqa: F401 - so a fork needs no imports
+
+    server.say(facts())
+    server.serve()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Which backend and device a lab uses, and checks of what a user asked for (kernel side).
+
+Backend `nccl` when CUDA is present and there is a GPU per rank, otherwise `gloo`; rank r uses
+`cuda:(local_rank % gpus)` or `cpu`, so ranks that share one GPU still work (with gloo).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+BACKENDS = ("auto", "gloo", "nccl")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def max_world_size() -> int:
+    return int(os.environ.get("LABKIT_MAX_WORLD_SIZE", "64"))
+
+
+@dataclass(frozen=True)
+class Choice:
+    world_size: int
+    backend: str
+    device: str
+    gpus: int
+    reason: str
+
+
+def check_world_size(world_size: Any) -> int:
+    limit = max_world_size()
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise ValueError(f"world_size must be an int in [1, {limit}], got {world_size!r}")
+    if not 1 <= world_size <= limit:
+        raise ValueError(f"world_size must be in [1, {limit}], got {world_size} "
+                         "(set LABKIT_MAX_WORLD_SIZE to allow more)")
+    return world_size
+
+
+def choose(world_size: int | None, backend: str, device: str, facts: dict[str, Any]) -> Choice:
+    """Resolve 'auto' against what the fork server found (GPUs, backends)."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {', '.join(DEVICES)}; got {device!r}")
+    gpus = int(facts.get("gpus", 0))
+    if world_size is None:
+        world_size = gpus or 4
+    world_size = check_world_size(world_size)
+    if device == "cuda" and gpus == 0:
+        raise ValueError("device='cuda' needs a GPU, but torch sees none here; use device='cpu'")
+    if device == "auto":
+        device = "cuda" if gpus else "cpu"
+    if backend == "nccl":
+        if device != "cuda" or gpus < world_size or not facts.get("nccl"):
+            raise ValueError(f"backend='nccl' needs one GPU per rank: world_size {world_size}, "
+                             f"GPUs {gpus}, NCCL {'built' if facts.get('nccl') else 'missing'}; "
+                             "use backend='gloo' (ranks can share a GPU with gloo)")
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" and gpus >= world_size and facts.get("nccl") else "gloo"
+    if device == "cuda":
+        share = f"{world_size} ranks on {gpus} GPU(s)" + (", sharing" if world_size > gpus else "")
+    else:
+        share = f"{world_size} CPU ranks on {facts.get('cpus')} cores"
+    return Choice(world_size, backend, device, gpus, f"{backend} on {device}: {share}")

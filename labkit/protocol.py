@@ -1,0 +1,129 @@
+"""The wire format between the kernel and its ranks (runs on both sides).
+
+A message is a dict. On the wire it is a ZeroMQ multipart message:
+
+    [signature, header, buffer_0, buffer_1, ...]
+
+- `header` is the dict pickled with protocol 5; tensors and numpy arrays inside it are pickled
+  out of band, so their bytes travel as raw `buffer_i` frames (no copy into a byte string).
+- `signature` is HMAC-SHA256, keyed with the lab's random 32-byte key, over the length and bytes
+  of every other frame. `Codec.decode` checks it (constant-time compare) before anything is
+  unpickled; a message that fails is rejected with `AuthenticationError` and never unpickled.
+
+Every message has a `type`. Kernel to rank: `init` (rendezvous port), `exec` (code or a
+pickled function), `pull`, `push`, `ping`, `trace`, `exit`. Rank to kernel: `hello`, `ready`,
+`stream` (output text), `status` (heartbeat with the running line and comm op), `done`
+(result of exec/pull/push), `pong`, `fatal` (a rank cannot go on).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import io
+import os
+import pickle
+import warnings
+
+import cloudpickle
+from typing import Any
+
+KEY_BYTES = 32
+
+
+class AuthenticationError(Exception):
+    """A message whose signature does not match the lab's key (it was not unpickled)."""
+
+
+def new_key() -> bytes:
+    return os.urandom(KEY_BYTES)
+
+
+def _rebuild_tensor(
+    buf: Any, dtype: str, shape: tuple[int, ...], requires_grad: bool, is_param: bool = False
+) -> Any:
+    import torch
+
+    raw = memoryview(buf).cast("B")
+    dt = getattr(torch, dtype)
+    if raw.nbytes == 0:
+        t = torch.empty(shape, dtype=dt)
+    else:
+        # The buffer is a received frame that nothing else holds; torch warns about any
+        # read-only buffer, but this memory is the message's own heap copy.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            t = torch.frombuffer(raw, dtype=torch.uint8).view(dt).reshape(shape)
+    if is_param:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t
+
+
+class _Pickler(cloudpickle.Pickler):
+    """Pickles tensors as (dtype, shape, raw bytes out of band), always on the CPU.
+
+    cloudpickle carries functions and classes defined in a cell by value.
+    """
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = _torch_if_loaded()
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            t = obj.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if t.is_sparse or t.is_quantized or t.layout != torch.strided:
+                return NotImplemented
+            t = t.contiguous()
+            dtype = str(t.dtype).removeprefix("torch.")
+            raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+            buf = pickle.PickleBuffer(raw) if t.numel() else b""
+            is_param = type(obj) is not torch.Tensor
+            return _rebuild_tensor, (buf, dtype, tuple(t.shape), obj.requires_grad, is_param)
+        return super().reducer_override(obj)
+
+
+def _torch_if_loaded() -> Any:
+    # The kernel never imports torch just to encode a message; a tensor can only be present if
+    # torch was imported already.
+    import sys
+
+    return sys.modules.get("torch")
+
+
+def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+    buffers: list[pickle.PickleBuffer] = []
+    out = io.BytesIO()
+    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
+    return out.getvalue(), buffers
+
+
+class Codec:
+    """Signs and verifies messages with one lab's key."""
+
+    def __init__(self, key: bytes):
+        if len(key) < 16:
+            raise ValueError(f"key must be at least 16 bytes, got {len(key)}")
+        self.key = key
+
+    def _sign(self, frames: list[Any]) -> bytes:
+        mac = hmac.new(self.key, digestmod=hashlib.sha256)
+        for frame in frames:
+            view = memoryview(frame).cast("B")
+            mac.update(view.nbytes.to_bytes(8, "little"))
+            mac.update(view)
+        return mac.digest()
+
+    def encode(self, msg: dict[str, Any]) -> list[Any]:
+        header, buffers = dumps(msg)
+        frames: list[Any] = [header, *(b.raw() for b in buffers)]
+        return [self._sign(frames), *frames]
+
+    def decode(self, frames: list[Any]) -> dict[str, Any]:
+        """Verify, then unpickle. Frames may be bytes or zmq.Frame objects."""
+        if len(frames) < 2:
+            raise AuthenticationError(f"malformed message: {len(frames)} frame(s)")
+        parts = [f.buffer if hasattr(f, "buffer") else f for f in frames]
+        signature, body = bytes(parts[0]), parts[1:]
+        if not hmac.compare_digest(signature, self._sign(body)):
+            raise AuthenticationError("message signature does not match this lab's key")
+        return pickle.loads(body[0], buffers=body[1:])

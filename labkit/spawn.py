@@ -1,0 +1,151 @@
+"""The kernel's handle on a fork server: start it, fork ranks, signal them (kernel side).
+
+A fork server is started with `sys.executable -m labkit.forkserver` in its own session (so a
+terminal's Ctrl-C does not hit it), with stderr going to a log file. A reader thread parses its
+messages; rank exits are handed to `on_exit`. One spare server is kept warm after
+`prewarm()`, so the next `Lab` pays for a fork, not for importing torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+import labkit
+
+
+class ForkServer:
+    def __init__(self) -> None:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
+        self.log_path = os.path.join(tempfile.gettempdir(), f"labkit-fs-{os.getpid()}-{id(self)}.log")
+        self.log = open(self.log_path, "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "labkit.forkserver", str(os.getpid())],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+            start_new_session=True,
+        )
+        self.facts: dict[str, Any] | None = None
+        self.spawned: dict[tuple[int, int], int] = {}  # (gen, rank) -> pid
+        self.exited: dict[int, int] = {}  # pid -> exit code (negative: signal)
+        self.on_exit: Callable[[int, int | None, int], None] | None = None
+        self.cond = threading.Condition()
+        self.lock = threading.Lock()
+        threading.Thread(target=self._read, name="labkit-forkserver", daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:  # type: ignore[union-attr]
+            msg = json.loads(line)
+            with self.cond:
+                if msg["type"] == "hello":
+                    self.facts = msg
+                elif msg["type"] == "spawned":
+                    self.spawned[(msg["gen"], msg["rank"])] = msg["pid"]
+                elif msg["type"] == "exited":
+                    self.exited[msg["pid"]] = msg["code"]
+                self.cond.notify_all()
+            if msg["type"] == "exited" and self.on_exit is not None:
+                self.on_exit(msg["pid"], msg["rank"], msg["code"])
+        with self.cond:
+            self.cond.notify_all()
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_facts(self, timeout: float = 120.0) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while self.facts is None:
+                if not self.alive():
+                    raise RuntimeError("the labkit fork server exited while starting; its log:\n"
+                                       + self.read_log())
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"the labkit fork server did not start in {timeout:.0f} s")
+                self.cond.wait(min(left, 0.1))
+        return self.facts
+
+    def read_log(self) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read()[-4000:].decode(errors="replace")
+
+    def _send(self, msg: dict[str, Any]) -> None:
+        with self.lock:
+            self.proc.stdin.write((json.dumps(msg) + "\n").encode())  # type: ignore[union-attr]
+            self.proc.stdin.flush()  # type: ignore[union-attr]
+
+    def spawn(self, cfg: dict[str, Any]) -> None:
+        cfg = dict(cfg, key=cfg["key"].hex())
+        self._send({"cmd": "spawn", "cfg": cfg})
+
+    def wait_pids(self, gen: int, ranks: list[int], timeout: float = 10.0) -> dict[int, int]:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not all((gen, r) in self.spawned for r in ranks):
+                if not self.alive() or time.monotonic() > deadline:
+                    raise RuntimeError("the labkit fork server did not fork the ranks")
+                self.cond.wait(0.05)
+            return {r: self.spawned[(gen, r)] for r in ranks}
+
+    def signal(self, pids: list[int], sig: int) -> None:
+        """Signal ranks this server forked (the server skips any pid it already reaped)."""
+        if pids and self.alive():
+            self._send({"cmd": "signal", "pids": pids, "sig": int(sig)})
+
+    def wait_exited(self, pids: list[int], timeout: float) -> bool:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not all(p in self.exited for p in pids):
+                left = deadline - time.monotonic()
+                if left <= 0 or not self.alive():
+                    return False
+                self.cond.wait(min(left, 0.05))
+        return True
+
+    def close(self) -> None:
+        if self.alive():
+            try:
+                self._send({"cmd": "exit"})
+                self.proc.stdin.close()  # type: ignore[union-attr]
+            except (BrokenPipeError, OSError):
+                pass
+            try:
+                self.proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:
+                self.proc.send_signal(signal.SIGKILL)  # our own child, by its Popen handle
+                self.proc.wait()
+        self.log.close()
+        try:
+            os.unlink(self.log_path)
+        except OSError:
+            pass
+
+
+_spare: ForkServer | None = None
+_spare_lock = threading.Lock()
+
+
+def prewarm() -> None:
+    """Start a spare fork server now, so the next Lab does not wait for torch to import."""
+    global _spare
+    with _spare_lock:
+        if _spare is None or not _spare.alive():
+            _spare = ForkServer()
+
+
+def take() -> ForkServer:
+    """A started fork server: the warm spare if there is one, else a new one."""
+    global _spare
+    with _spare_lock:
+        server, _spare = _spare, None
+    if server is not None and server.alive():
+        return server
+    return ForkServer()

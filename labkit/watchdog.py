@@ -1,0 +1,71 @@
+"""Deciding that a running cell can never finish (kernel side, pure functions).
+
+The kernel knows which ranks run the cell, which have finished, and, from each rank's
+heartbeat, which `torch.distributed` op a rank is blocked in and for how long. A cell is stuck
+for certain when:
+
+- a rank waits in an op whose group (or p2p peer) contains a rank that is not running the cell:
+  it finished, raised, died, or was never asked (a rank-subset cell calling a collective);
+- every member of a group is blocked in that group's op with the same sequence number, but
+  they disagree on op, shape or dtype (a mismatched collective), or on the sequence number
+  itself (collectives called in a different order);
+- two ranks wait on each other in point-to-point ops (both `recv` first, or both `send` first).
+
+Only ops blocked for longer than `grace` seconds count, so a slow but healthy op is left alone.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+GRACE = 1.0
+
+
+def _fmt_ranks(ranks: Any) -> str:
+    ranks = sorted(ranks)
+    return ", ".join(map(str, ranks))
+
+
+def _op_text(rank: int, op: dict[str, Any]) -> str:
+    where = f", line {op['line']}" if op.get("line") else ""
+    peer = f" with peer {op['peer']}" if op.get("peer") is not None else ""
+    return (f"rank {rank} waits in {op['op']} #{op['seq']} on group [{_fmt_ranks(op['group'])}]"
+            f"{peer} ({op.get('dtype') or '-'} {tuple(op.get('shape') or ())}{where})")
+
+
+def diagnose(blocked: dict[int, dict[str, Any]], running: set[int], why_not: dict[int, str],
+             grace: float = GRACE) -> str | None:
+    """Why the cell is stuck, or None. `blocked[r]` is rank r's current op with `blocked_s`.
+
+    `running` holds the ranks still executing the cell; `why_not[r]` says why a rank is not
+    ("finished", "raised ZeroDivisionError", "not in this cell", "died").
+    """
+    long = {r: op for r, op in blocked.items() if r in running and op["blocked_s"] >= grace}
+    for r, op in sorted(long.items()):
+        needed = set(op["group"]) if op.get("peer") is None else {op["peer"]}
+        absent = sorted(needed - running)
+        if absent:
+            reasons = "; ".join(f"rank {a} {why_not.get(a, 'is not running')}" for a in absent)
+            return f"{_op_text(r, op)}, which can never complete: {reasons}."
+    by_group: dict[tuple[int, ...], dict[int, dict[str, Any]]] = {}
+    for r, op in long.items():
+        if op.get("peer") is None:
+            by_group.setdefault(tuple(op["group"]), {})[r] = op
+    for group, ops in by_group.items():
+        if set(ops) != set(group):
+            continue
+        keys = {(op["seq"], op["op"], tuple(op.get("shape") or ()), op.get("dtype")) for op in
+                ops.values()}
+        if len(keys) > 1:
+            what = "order" if len({op["seq"] for op in ops.values()}) > 1 else "op, shape or dtype"
+            lines = "\n  ".join(_op_text(r, op) for r, op in sorted(ops.items()))
+            return f"mismatched collectives on group [{_fmt_ranks(group)}] ({what} differs):\n  {lines}"
+    for r, op in long.items():
+        peer = op.get("peer")
+        other = long.get(peer) if peer is not None else None
+        if other is not None and other.get("peer") == r:
+            a, b = op["op"].lstrip("i"), other["op"].lstrip("i")
+            if a == b:
+                return (f"ranks {r} and {peer} both wait to {a} to each other first:\n  "
+                        f"{_op_text(r, op)}\n  {_op_text(peer, other)}")
+    return None

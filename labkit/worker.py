@@ -1,0 +1,308 @@
+"""The rank process: a persistent namespace that runs the kernel's cells (runs on the rank).
+
+A rank is forked by `labkit.forkserver` (or started by torchrun with `--connect`), connects two
+ZeroMQ DEALER sockets to the kernel and serves requests until told to exit:
+
+- `ctrl` (main thread only): requests in (`init`, `exec`, `pull`, `push`, `trace`, `ping`,
+  `exit`), replies out (`hello`, `ready`, `done`, `pong`).
+- `side` (any thread, behind a lock): output lines (`stream`) and the heartbeat (`status`: busy
+  or idle, the cell line running, the comm op the rank is inside).
+
+Rank 0 binds the rendezvous store on port 0 and reports the real port in its `hello`; the kernel
+passes it to every rank in `init`, and each rank then joins the process group. Ctrl-C reaches a
+rank as SIGINT and raises KeyboardInterrupt only while user code runs.
+
+This module never imports IPython, ipywidgets or plotly.
+"""
+
+from __future__ import annotations
+
+import ast
+import datetime
+import linecache
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from typing import Any
+
+import zmq
+
+from labkit import trace
+from labkit.capture import Capture
+from labkit.protocol import Codec, dumps
+
+HEARTBEAT_IDLE = 1.0
+HEARTBEAT_BUSY = 0.25
+MAX_VALUE_BYTES = 1 << 30
+
+
+class Rank:
+    def __init__(self, cfg: dict[str, Any]):
+        self.cfg = cfg
+        self.rank: int = cfg["rank"]
+        self.gen: int = cfg["gen"]
+        self.codec = Codec(cfg["key"])
+        self.ctx = zmq.Context()
+        ident = f"r{self.rank}".encode()
+        self.ctrl = self._connect(cfg["ctrl"], ident)
+        self.side = self._connect(cfg["side"], ident)
+        self.side_lock = threading.Lock()
+        self.stream_seq = 0
+        self.busy_cell: int | None = None
+        self.in_user_code = False
+        self.store: Any = None
+        self.ns: dict[str, Any] = {}
+
+    def _connect(self, endpoint: str, ident: bytes) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)
+        sock.setsockopt(zmq.IDENTITY, ident)
+        sock.setsockopt(zmq.LINGER, 1000)
+        sock.connect(endpoint)
+        return sock
+
+    # -- sending ---------------------------------------------------------------------------
+    def reply(self, msg: dict[str, Any]) -> None:
+        msg.update(rank=self.rank, gen=self.gen)
+        self.ctrl.send_multipart(self.codec.encode(msg), copy=False)
+
+    def send_side(self, msg: dict[str, Any]) -> None:
+        msg.update(rank=self.rank, gen=self.gen)
+        with self.side_lock:
+            if msg["type"] == "stream":
+                self.stream_seq += 1
+                msg["seq"] = self.stream_seq
+            self.side.send_multipart(self.codec.encode(msg), copy=False)
+
+    def stream(self, name: str, text: str) -> None:
+        self.send_side({"type": "stream", "name": name, "text": text, "cell": self.busy_cell})
+
+    # -- start-up --------------------------------------------------------------------------
+    def start(self) -> None:
+        cfg = self.cfg
+        os.environ.update({
+            "RANK": str(self.rank), "WORLD_SIZE": str(cfg["world_size"]),
+            "LOCAL_RANK": str(cfg["local_rank"]), "LOCAL_WORLD_SIZE": str(cfg["local_world_size"]),
+            "MASTER_ADDR": cfg["master_addr"], "GROUP_RANK": "0", "ROLE_RANK": str(self.rank),
+        })
+        log_dir = cfg.get("log_dir")
+        log = os.path.join(log_dir, f"rank-{self.rank}.log") if log_dir else None
+        self.capture = Capture(self.stream, log)
+        signal.signal(signal.SIGINT, self._on_sigint)
+        threading.Thread(target=self._heartbeat, name="labkit-heartbeat", daemon=True).start()
+        import torch
+        import torch.distributed as dist
+
+        trace.install()
+        port = None
+        if self.rank == 0 and cfg.get("master_port") is None:
+            self.store = dist.TCPStore(cfg["master_addr"], 0, cfg["world_size"], is_master=True,
+                                       wait_for_workers=False,
+                                       timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
+            port = self.store.port
+        self.device = self._pick_device(torch)
+        self.ns = self._namespace(torch, dist)
+        self.reply({"type": "hello", "pid": os.getpid(), "host": socket.gethostname(),
+                    "port": port, "device": str(self.device), "time": time.time(),
+                    "num_cpus": os.cpu_count()})
+
+    def _pick_device(self, torch: Any) -> Any:
+        if self.cfg["device"] == "cuda":
+            index = self.cfg["local_rank"] % torch.cuda.device_count()
+            torch.cuda.set_device(index)
+            return torch.device("cuda", index)
+        return torch.device("cpu")
+
+    def _namespace(self, torch: Any, dist: Any) -> dict[str, Any]:
+        import torch.nn as nn
+        import torch.nn.functional as F
+
+        cfg = self.cfg
+        return {"__name__": "__main__", "__builtins__": __builtins__, "rank": self.rank,
+                "world_size": cfg["world_size"], "local_rank": cfg["local_rank"],
+                "device": self.device, "torch": torch, "dist": dist, "nn": nn, "F": F}
+
+    def init_group(self, msg: dict[str, Any]) -> None:
+        import torch.distributed as dist
+
+        cfg = self.cfg
+        timeout = datetime.timedelta(seconds=cfg["pg_timeout"])
+        os.environ["MASTER_PORT"] = str(msg["port"])
+        if self.store is None:
+            self.store = dist.TCPStore(cfg["master_addr"], msg["port"], cfg["world_size"],
+                                       is_master=False, timeout=timeout)
+        t0 = time.time()
+        store = dist.PrefixStore(f"labkit/{self.gen}", self.store)
+        dist.init_process_group(cfg["backend"], store=store, rank=self.rank,
+                                world_size=cfg["world_size"], timeout=timeout)
+        self.reply({"type": "ready", "init_s": time.time() - t0})
+
+    # -- serving ---------------------------------------------------------------------------
+    def serve(self) -> None:
+        handlers = {"init": self.init_group, "exec": self.execute, "pull": self.pull,
+                    "push": self.push, "trace": self.send_trace, "ping": self.pong}
+        while True:
+            try:
+                msg = self.codec.decode(self.ctrl.recv_multipart(copy=False))
+            except KeyboardInterrupt:
+                continue
+            except Exception as exc:  # a forged or corrupt message: log it, never unpickle
+                print(f"labkit rank {self.rank}: rejected a message: {exc}", file=sys.stderr)
+                continue
+            if msg["type"] == "exit":
+                self.capture.flush(timeout=1.0)
+                os._exit(0)
+            try:
+                handlers[msg["type"]](msg)
+            except KeyboardInterrupt:
+                pass
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.in_user_code:
+            raise KeyboardInterrupt
+
+    def _heartbeat(self) -> None:
+        parent = os.getppid()
+        while True:
+            busy = self.busy_cell is not None
+            time.sleep(HEARTBEAT_BUSY if busy else HEARTBEAT_IDLE)
+            if os.getppid() != parent:  # our parent died: the lab is gone
+                os._exit(1)
+            status = {"type": "status", "busy": self.busy_cell, "time": time.time()}
+            if self.busy_cell is not None:
+                status.update(line=self._running_line(), op=trace.current())
+            try:
+                self.send_side(status)
+            except zmq.ZMQError:
+                return
+
+    def _running_line(self) -> int | None:
+        frame = sys._current_frames().get(threading.main_thread().ident)
+        line = None
+        while frame is not None:
+            if frame.f_code.co_filename.startswith("<cell-"):
+                line = frame.f_lineno
+            frame = frame.f_back
+        return line
+
+    # -- requests --------------------------------------------------------------------------
+    def execute(self, msg: dict[str, Any]) -> None:
+        cell = msg["id"]
+        trace.begin_cell(cell, self.rank)
+        self.busy_cell = cell
+        value = error = None
+        t0 = time.perf_counter()
+        try:
+            self.in_user_code = True
+            if msg.get("fn") is not None:
+                value = self._call(msg["fn"])
+            else:
+                value = self._run_code(msg["code"], f"<cell-{cell}>")
+        except BaseException as exc:  # noqa: BLE001 - a user's error of any kind is reported
+            error = _format_error(exc)
+        finally:
+            self.in_user_code = False
+        duration = time.perf_counter() - t0
+        self.capture.flush()
+        self.busy_cell = None
+        reply = {"type": "done", "id": cell, "duration": duration, "error": error,
+                 "t_end": time.time(), "stream_seq": self.stream_seq}
+        if value is not None and msg.get("display", True):
+            reply["display"] = describe(value)
+        self._reply_with_value(reply, value if msg.get("want_value", True) else None)
+
+    def _call(self, fn_bytes: bytes) -> Any:
+        import inspect
+
+        import cloudpickle
+
+        fn = cloudpickle.loads(fn_bytes)
+        params = inspect.signature(fn).parameters
+        kwargs = {k: self.ns[k] for k in params if k in self.ns}
+        return fn(**kwargs)
+
+    def _run_code(self, code: str, filename: str) -> Any:
+        tree = ast.parse(code, filename)
+        last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
+        linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
+        exec(compile(tree, filename, "exec"), self.ns)
+        if last is None:
+            return None
+        return eval(compile(ast.Expression(last.value), filename, "eval"), self.ns)
+
+    def _reply_with_value(self, reply: dict[str, Any], value: Any) -> None:
+        if value is not None:
+            try:
+                header, buffers = dumps(value)
+                size = len(header) + sum(b.raw().nbytes for b in buffers)
+                if size > MAX_VALUE_BYTES:
+                    raise ValueError(f"it is {size / 2**20:.0f} MiB, over the "
+                                     f"{MAX_VALUE_BYTES >> 20} MiB limit")
+                reply["value"] = value
+            except Exception as exc:  # noqa: BLE001
+                reply["value_error"] = (f"the value ({type(value).__name__}) could not be sent "
+                                        f"to the kernel: {type(exc).__name__}: {exc}")
+        self.reply(reply)
+
+    def pull(self, msg: dict[str, Any]) -> None:
+        reply: dict[str, Any] = {"type": "done", "id": msg["id"], "error": None}
+        try:
+            value = eval(msg["name"], self.ns)  # a name or an attribute path such as model.fc
+        except BaseException as exc:  # noqa: BLE001
+            reply["error"] = _format_error(exc)
+            value = None
+        self._reply_with_value(reply, value)
+
+    def push(self, msg: dict[str, Any]) -> None:
+        self.ns.update(msg["names"])
+        self.reply({"type": "done", "id": msg["id"], "error": None})
+
+    def send_trace(self, msg: dict[str, Any]) -> None:
+        if "enabled" in msg:
+            trace.set_enabled(msg["enabled"])
+        self.reply({"type": "done", "id": msg["id"], "error": None,
+                    "value": trace.records(msg.get("cell"))})
+
+    def pong(self, msg: dict[str, Any]) -> None:
+        self.reply({"type": "pong", "id": msg["id"], "time": time.time()})
+
+
+def describe(value: Any) -> dict[str, Any]:
+    """What the kernel needs to show a cell's last value richly (computed on the rank)."""
+    info: dict[str, Any] = {"type": type(value).__name__}
+    try:
+        text = repr(value)
+    except Exception as exc:  # noqa: BLE001
+        text = f"<repr failed: {type(exc).__name__}: {exc}>"
+    info["text"] = text if len(text) <= 20_000 else text[:20_000] + " ..."
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(value, torch.Tensor):
+        info["tensor"] = {"shape": tuple(value.shape), "dtype": str(value.dtype),
+                          "device": str(value.device), "requires_grad": value.requires_grad}
+    return info
+
+
+def _format_error(exc: BaseException) -> dict[str, Any]:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__)
+              if not f.filename.endswith(os.path.join("labkit", "worker.py"))]
+    text = "".join(traceback.format_list(frames)) if frames else ""
+    text += "".join(traceback.format_exception_only(type(exc), exc))
+    return {"type": type(exc).__name__, "message": str(exc), "traceback": text,
+            "time": time.time()}
+
+
+def run(cfg: dict[str, Any]) -> None:
+    """Entry point of a rank (never returns)."""
+    rank = Rank(cfg)
+    try:
+        rank.start()
+        rank.serve()
+    except BaseException as exc:  # start-up failed: tell the kernel why, then leave
+        try:
+            rank.reply({"type": "fatal", "error": _format_error(exc)})
+            time.sleep(0.2)
+        finally:
+            os._exit(1)
