@@ -18,7 +18,8 @@ import os
 import select
 import sys
 import threading
-from typing import Callable, BinaryIO
+from collections.abc import Callable
+from typing import BinaryIO
 
 MARKER = b"\x1e\x1flabkit-flush\x1f\x1e"
 CHUNK = 64 * 1024
@@ -102,10 +103,12 @@ class Capture:
             reader = _Reader(name, r, send, self.log)
             reader.start()
             self.readers.append(reader)
-        sys.stdout = open(1, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
-                          closefd=False)
-        sys.stderr = open(2, "w", buffering=1, encoding="utf-8", errors="backslashreplace",
-                          closefd=False)
+        sys.stdout = open(
+            1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
+        )
+        sys.stderr = open(
+            2, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
+        )
 
     def flush(self, timeout: float = 5.0) -> None:
         """Forward everything written so far (called by the rank's main thread)."""
@@ -114,7 +117,7 @@ class Capture:
                 stream.flush()
             except (AttributeError, OSError, ValueError):
                 pass
-        for fd, reader in zip((1, 2), self.readers):
+        for fd in (1, 2):
             os.write(fd, MARKER)
         for reader in self.readers:
             reader.flushed.acquire(timeout=timeout)

@@ -43,10 +43,18 @@ def facts() -> dict[str, Any]:
     import torch.distributed as dist
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return {"type": "hello", "torch": torch.__version__, "gpus": gpus,
-            "cuda": torch.version.cuda, "gloo": dist.is_gloo_available(), "nccl": dist.is_nccl_available(),
-            "mpi": dist.is_mpi_available(), "cpus": os.cpu_count(), "pid": os.getpid(),
-            "python": sys.version.split()[0]}
+    return {
+        "type": "hello",
+        "torch": torch.__version__,
+        "gpus": gpus,
+        "cuda": torch.version.cuda,
+        "gloo": dist.is_gloo_available(),
+        "nccl": dist.is_nccl_available(),
+        "mpi": dist.is_mpi_available(),
+        "cpus": os.cpu_count(),
+        "pid": os.getpid(),
+        "python": sys.version.split()[0],
+    }
 
 
 class Server:
@@ -98,8 +106,14 @@ class Server:
             if pid == 0:
                 return
             rank = self.children.pop(pid, None)
-            self.say({"type": "exited", "pid": pid, "rank": rank,
-                      "code": os.waitstatus_to_exitcode(status)})
+            self.say(
+                {
+                    "type": "exited",
+                    "pid": pid,
+                    "rank": rank,
+                    "code": os.waitstatus_to_exitcode(status),
+                }
+            )
 
     def kill(self, pids: list[int], sig: int) -> None:
         for pid in pids:

@@ -31,7 +31,8 @@ import time
 import warnings
 import weakref
 from collections import deque
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import zmq
 
@@ -81,9 +82,17 @@ class Lab:
     Runs in the kernel. `Lab(4)` forks 4 ranks and returns when their process group is ready.
     """
 
-    def __init__(self, world_size: int | None = None, *, backend: str = "auto",
-                 device: str = "auto", timeout: float | None = None, pg_timeout: float = 1800,
-                 log_dir: str | None = None, start: bool = True):
+    def __init__(
+        self,
+        world_size: int | None = None,
+        *,
+        backend: str = "auto",
+        device: str = "auto",
+        timeout: float | None = None,
+        pg_timeout: float = 1800,
+        log_dir: str | None = None,
+        start: bool = True,
+    ):
         if world_size is not None:
             check_world_size(world_size)
         if backend not in BACKENDS:
@@ -123,10 +132,12 @@ class Lab:
         self._io = threading.Thread(target=self._io_loop, name="labkit-io", daemon=True)
         self._io.start()
         _labs.add(self)
-        global _current
-        _current = self
         if start:
-            self.start()
+            try:
+                self.start()
+            except BaseException:
+                self.stop()
+                raise
 
     # -- sockets and background thread ------------------------------------------------------
     def _bind(self) -> zmq.Socket:
@@ -212,11 +223,19 @@ class Lab:
         self.dead.clear()
         self._seen_seq = {}
         n = self.choice.world_size
-        base = {"world_size": n, "local_world_size": n, "ctrl": self._endpoint(self.ctrl),
-                "side": self._endpoint(self.side), "key": self.codec.key, "gen": self.gen,
-                "backend": self.choice.backend, "device": self.choice.device,
-                "log_dir": self.log_dir, "master_addr": "127.0.0.1",
-                "pg_timeout": self.pg_timeout}
+        base = {
+            "world_size": n,
+            "local_world_size": n,
+            "ctrl": self._endpoint(self.ctrl),
+            "side": self._endpoint(self.side),
+            "key": self.codec.key,
+            "gen": self.gen,
+            "backend": self.choice.backend,
+            "device": self.choice.device,
+            "log_dir": self.log_dir,
+            "master_addr": "127.0.0.1",
+            "pg_timeout": self.pg_timeout,
+        }
         for r in range(n):
             self.server.spawn(dict(base, rank=r, local_rank=r))
         self.pids = self.server.wait_pids(self.gen, list(range(n)))
@@ -302,9 +321,16 @@ class Lab:
         for r in ranks:
             self.ctrl.send_multipart([f"r{r}".encode(), *frames], copy=False)
 
-    def _pump(self, pending: set[int], expect: str, *, msg_id: int | None = None,
-              deadline: float | None = None, replies: dict[int, dict[str, Any]] | None = None,
-              watch: Callable[[set[int]], None] | None = None) -> dict[int, dict[str, Any]]:
+    def _pump(
+        self,
+        pending: set[int],
+        expect: str,
+        *,
+        msg_id: int | None = None,
+        deadline: float | None = None,
+        replies: dict[int, dict[str, Any]] | None = None,
+        watch: Callable[[set[int]], None] | None = None,
+    ) -> dict[int, dict[str, Any]]:
         replies = {} if replies is None else replies
         pending = set(pending) - set(replies)
         while pending:
@@ -316,15 +342,18 @@ class Lab:
                         msg = self.codec.decode(frames[1:])
                     except AuthenticationError as exc:
                         self.rejected += 1
-                        warnings.warn(f"labkit rejected a message: {exc}", LabkitWarning,
-                                      stacklevel=2)
+                        warnings.warn(
+                            f"labkit rejected a message: {exc}", LabkitWarning, stacklevel=2
+                        )
                         continue
                     if msg.get("gen") != self.gen:
                         continue
                     if msg["type"] == "fatal":
                         err = msg["error"]
-                        raise LabError(f"rank {msg['rank']} failed to start: {err['type']}: "
-                                       f"{err['message']}\n{err['traceback']}")
+                        raise LabError(
+                            f"rank {msg['rank']} failed to start: {err['type']}: "
+                            f"{err['message']}\n{err['traceback']}"
+                        )
                     if msg["type"] == expect and msg.get("id") == msg_id:
                         replies[msg["rank"]] = msg
                         pending.discard(msg["rank"])
@@ -347,12 +376,14 @@ class Lab:
                 self._show_stream(rest[0])
             elif kind == "exit":
                 rank, code = rest
-                how = (f"killed by signal {signal.Signals(-code).name}" if code < 0
-                       else f"exited with code {code}")
+                how = (
+                    f"killed by signal {signal.Signals(-code).name}"
+                    if code < 0
+                    else f"exited with code {code}"
+                )
                 raise _Stuck(f"rank {rank} died ({how})")
             elif kind == "rejected":
-                warnings.warn(f"labkit rejected a message: {rest[0]}", LabkitWarning,
-                              stacklevel=3)
+                warnings.warn(f"labkit rejected a message: {rest[0]}", LabkitWarning, stacklevel=3)
 
     def _show_stream(self, msg: dict[str, Any]) -> None:
         import sys
@@ -394,12 +425,20 @@ class Lab:
             raise LabError("the lab's ranks are not running; call lab.start() or lab.restart()")
         if self.dead:
             dead = ", ".join(f"rank {r} (code {c})" for r, c in sorted(self.dead.items()))
-            raise LabError(f"{dead} died after the last cell; call lab.restart() "
-                           "(or %lab restart) to start the ranks again")
+            raise LabError(
+                f"{dead} died after the last cell; call lab.restart() "
+                "(or %lab restart) to start the ranks again"
+            )
         self._drain_events(set())
 
-    def run(self, code_or_function: str | Callable[..., Any], ranks: Any = None,
-            timeout: float | None = None, *, display: bool = True) -> Results:
+    def run(
+        self,
+        code_or_function: str | Callable[..., Any],
+        ranks: Any = None,
+        timeout: float | None = None,
+        *,
+        display: bool = True,
+    ) -> Results:
         """Run code (a string) or a function on the ranks, all at once. Kernel side.
 
         A function is called on every target rank with the rank's namespace entries that match
@@ -424,16 +463,21 @@ class Lab:
                         f"this cell runs on ranks {targets} only, and it calls a collective; a "
                         f"collective on the whole group waits for ranks {absent} forever "
                         "(labkit will stop it). Use a group: dist.new_group(...)",
-                        LabkitWarning, stacklevel=2)
+                        LabkitWarning,
+                        stacklevel=2,
+                    )
             else:
-                raise TypeError("run() takes code as a str or a function, got "
-                                f"{type(code_or_function).__name__}")
+                raise TypeError(
+                    "run() takes code as a str or a function, got "
+                    f"{type(code_or_function).__name__}"
+                )
             self._cell += 1
             msg["id"] = cell = self._cell
             return self._run_cell(cell, msg, targets, timeout or self.timeout)
 
-    def _run_cell(self, cell: int, msg: dict[str, Any], targets: list[int],
-                  timeout: float | None) -> Results:
+    def _run_cell(
+        self, cell: int, msg: dict[str, Any], targets: list[int], timeout: float | None
+    ) -> Results:
         self._outputs = {r: [] for r in targets}
         self._line_start = {}
         replies: dict[int, dict[str, Any]] = {}
@@ -444,8 +488,11 @@ class Lab:
         def watch(pending: set[int]) -> None:
             states = self._cell_states(cell, targets, pending, replies)
             live.update(states, time.monotonic() - started)
-            blocked = {s.rank: dict(s.op, blocked_s=s.blocked_s) for s in states
-                       if s.op is not None and s.state == "running"}
+            blocked = {
+                s.rank: dict(s.op, blocked_s=s.blocked_s)
+                for s in states
+                if s.op is not None and s.state == "running"
+            }
             why_not = {s.rank: s.state for s in states if s.state != "running"}
             reason = diagnose(blocked, set(pending), why_not)
             if reason:
@@ -454,8 +501,14 @@ class Lab:
         self._send(targets, msg)
         try:
             try:
-                self._pump(set(targets), "done", msg_id=cell, deadline=deadline,
-                           replies=replies, watch=watch)
+                self._pump(
+                    set(targets),
+                    "done",
+                    msg_id=cell,
+                    deadline=deadline,
+                    replies=replies,
+                    watch=watch,
+                )
             except KeyboardInterrupt:
                 self._stop_cell(cell, targets, replies, watch)
         except _Stuck as stuck:
@@ -467,24 +520,38 @@ class Lab:
         self._catch_up_streams(replies)
         return self._results(replies)
 
-    def _stop_cell(self, cell: int, targets: list[int], replies: dict[int, dict[str, Any]],
-                   watch: Callable[[set[int]], None]) -> None:
+    def _stop_cell(
+        self,
+        cell: int,
+        targets: list[int],
+        replies: dict[int, dict[str, Any]],
+        watch: Callable[[set[int]], None],
+    ) -> None:
         """Stop pressed: SIGINT the running ranks; if they do not stop, recover."""
         running = [r for r in targets if r not in replies]
         assert self.server is not None
         self.server.signal([self.pids[r] for r in running], signal.SIGINT)
         try:
-            self._pump(set(running), "done", msg_id=cell,
-                       deadline=time.monotonic() + STOP_GRACE, replies=replies, watch=watch)
+            self._pump(
+                set(running),
+                "done",
+                msg_id=cell,
+                deadline=time.monotonic() + STOP_GRACE,
+                replies=replies,
+                watch=watch,
+            )
         except KeyboardInterrupt:
             raise _Stuck("Stop was pressed twice") from None
         except _Stuck as stuck:
             still = sorted(set(running) - set(replies))
-            raise _Stuck(f"Stop was pressed, and rank(s) {still} did not stop within "
-                         f"{STOP_GRACE:.0f} s ({stuck})") from None
+            raise _Stuck(
+                f"Stop was pressed, and rank(s) {still} did not stop within "
+                f"{STOP_GRACE:.0f} s ({stuck})"
+            ) from None
 
-    def _cell_states(self, cell: int, targets: list[int], pending: set[int],
-                     replies: dict[int, dict[str, Any]]) -> list[CellState]:
+    def _cell_states(
+        self, cell: int, targets: list[int], pending: set[int], replies: dict[int, dict[str, Any]]
+    ) -> list[CellState]:
         states = []
         for r in range(self.world_size):
             if r in pending:
@@ -504,8 +571,10 @@ class Lab:
     def _recover(self, reason: str, replies: dict[int, dict[str, Any]], started: float) -> None:
         t0 = time.monotonic()
         self.restart()
-        note = (f"{reason}\nlabkit stopped the cell after {t0 - started:.1f} s and restarted the "
-                f"ranks in {time.monotonic() - t0:.2f} s: variables on the ranks were lost.")
+        note = (
+            f"{reason}\nlabkit stopped the cell after {t0 - started:.1f} s and restarted the "
+            f"ranks in {time.monotonic() - t0:.2f} s: variables on the ranks were lost."
+        )
         errors = {r: m["error"] for r, m in replies.items() if m.get("error")}
         if errors:
             raise RemoteError(errors, note)
@@ -517,9 +586,15 @@ class Lab:
             err = m.get("error")
             if err is not None and r in self.offsets:
                 err["time"] -= self.offsets[r]
-            results[r] = RankResult(r, m.get("value"), "".join(self._outputs.get(r, [])),
-                                    m.get("duration", 0.0), err, m.get("display"),
-                                    m.get("value_error"))
+            results[r] = RankResult(
+                r,
+                m.get("value"),
+                "".join(self._outputs.get(r, [])),
+                m.get("duration", 0.0),
+                err,
+                m.get("display"),
+                m.get("value_error"),
+            )
         return results
 
     def _request(self, msg: dict[str, Any], ranks: Any = None) -> Results:
@@ -531,8 +606,9 @@ class Lab:
             self._outputs = {}
             self._send(targets, msg)
             try:
-                replies = self._pump(set(targets), "done", msg_id=self._cell,
-                                     deadline=time.monotonic() + 60)
+                replies = self._pump(
+                    set(targets), "done", msg_id=self._cell, deadline=time.monotonic() + 60
+                )
             except _Stuck as stuck:
                 self._recover(str(stuck), {}, time.monotonic())
                 raise  # unreachable: _recover raises
@@ -547,7 +623,7 @@ class Lab:
         for r, res in results.items():
             if res.value_error:
                 raise LabError(f"pull({name!r}) from rank {r}: {res.value_error}")
-        return results.values
+        return results.values_by_rank
 
     def push(self, ranks: Any = None, **names: Any) -> None:
         """Bind names on the ranks: `lab.push(lr=0.1)` (tensors arrive on the ranks' CPU)."""
@@ -576,9 +652,17 @@ class Lab:
 
     def ranks_info(self) -> list[dict[str, Any]]:
         """One dict per rank: rank, pid, host, device, backend, num_cpus."""
-        return [{"rank": r, "pid": self.pids.get(r), "host": h.get("host"),
-                 "device": h.get("device"), "backend": h.get("backend"),
-                 "num_cpus": h.get("num_cpus")} for r, h in sorted(self.info.items())]
+        return [
+            {
+                "rank": r,
+                "pid": self.pids.get(r),
+                "host": h.get("host"),
+                "device": h.get("device"),
+                "backend": h.get("backend"),
+                "num_cpus": h.get("num_cpus"),
+            }
+            for r, h in sorted(self.info.items())
+        ]
 
     def status_report(self) -> dict[str, Any]:
         """What `%lab status` shows: the choice, and per rank its pid, device and liveness."""
@@ -589,8 +673,14 @@ class Lab:
             st = self.status.get(r, {})
             age = now - st["received"] if "received" in st else None
             alive = r not in self.dead and (age is None or age < 5)
-            rows.append(dict(info, alive=alive, busy=st.get("busy") is not None,
-                             heartbeat_age_s=age))
-        return {"running": self.running, "world_size": self.world_size,
-                "backend": self.backend, "choice": self.choice.reason if self.choice else "",
-                "log_dir": self.log_dir, "ranks": rows}
+            rows.append(
+                dict(info, alive=alive, busy=st.get("busy") is not None, heartbeat_age_s=age)
+            )
+        return {
+            "running": self.running,
+            "world_size": self.world_size,
+            "backend": self.backend,
+            "choice": self.choice.reason if self.choice else "",
+            "log_dir": self.log_dir,
+            "ranks": rows,
+        }

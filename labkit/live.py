@@ -30,11 +30,12 @@ def describe_state(s: CellState) -> str:
 
 def status_html(states: list[CellState], elapsed: float) -> str:
     rows = "".join(
-        f"<tr><td>rank {s.rank}</td><td>{html.escape(describe_state(s))}</td></tr>"
-        for s in states
+        f"<tr><td>rank {s.rank}</td><td>{html.escape(describe_state(s))}</td></tr>" for s in states
     )
-    return (f"<div class='lk-live'><b>running for {elapsed:.1f} s</b> — press ■ (interrupt) "
-            f"to stop<table>{rows}</table></div>")
+    return (
+        f"<div class='lk-live'><b>running for {elapsed:.1f} s</b> — press ■ (interrupt) "
+        f"to stop<table>{rows}</table></div>"
+    )
 
 
 def _ipython() -> Any:

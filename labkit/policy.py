@@ -32,8 +32,10 @@ def check_world_size(world_size: Any) -> int:
     if isinstance(world_size, bool) or not isinstance(world_size, int):
         raise ValueError(f"world_size must be an int in [1, {limit}], got {world_size!r}")
     if not 1 <= world_size <= limit:
-        raise ValueError(f"world_size must be in [1, {limit}], got {world_size} "
-                         "(set LABKIT_MAX_WORLD_SIZE to allow more)")
+        raise ValueError(
+            f"world_size must be in [1, {limit}], got {world_size} "
+            "(set LABKIT_MAX_WORLD_SIZE to allow more)"
+        )
     return world_size
 
 
@@ -53,11 +55,15 @@ def choose(world_size: int | None, backend: str, device: str, facts: dict[str, A
         device = "cuda" if gpus else "cpu"
     if backend == "nccl":
         if device != "cuda" or gpus < world_size or not facts.get("nccl"):
-            raise ValueError(f"backend='nccl' needs one GPU per rank: world_size {world_size}, "
-                             f"GPUs {gpus}, NCCL {'built' if facts.get('nccl') else 'missing'}; "
-                             "use backend='gloo' (ranks can share a GPU with gloo)")
+            raise ValueError(
+                f"backend='nccl' needs one GPU per rank: world_size {world_size}, "
+                f"GPUs {gpus}, NCCL {'built' if facts.get('nccl') else 'missing'}; "
+                "use backend='gloo' (ranks can share a GPU with gloo)"
+            )
     if backend == "auto":
-        backend = "nccl" if device == "cuda" and gpus >= world_size and facts.get("nccl") else "gloo"
+        backend = (
+            "nccl" if device == "cuda" and gpus >= world_size and facts.get("nccl") else "gloo"
+        )
     if device == "cuda":
         share = f"{world_size} ranks on {gpus} GPU(s)" + (", sharing" if world_size > gpus else "")
     else:

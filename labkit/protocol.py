@@ -24,9 +24,9 @@ import io
 import os
 import pickle
 import warnings
+from typing import Any
 
 import cloudpickle
-from typing import Any
 
 KEY_BYTES = 32
 

@@ -27,17 +27,22 @@ def parse_ranks(spec: Any, world_size: int) -> list[int]:
                 else:
                     items.append(int(part))
             except ValueError:
-                raise ValueError(f"cannot read ranks {spec!r}: write them like '0,2' or '1-3' "
-                                 f"({allowed})") from None
+                raise ValueError(
+                    f"cannot read ranks {spec!r}: write them like '0,2' or '1-3' ({allowed})"
+                ) from None
     else:
         try:
             items = [int(r) for r in spec if not isinstance(r, bool)]
         except (TypeError, ValueError):
-            raise ValueError(f"ranks must be like 0, '0,2', '1-3' or [0, 2]; got {spec!r}") from None
+            raise ValueError(
+                f"ranks must be like 0, '0,2', '1-3' or [0, 2]; got {spec!r}"
+            ) from None
         if not items:
             raise ValueError(f"ranks must name at least one rank; {allowed}")
     bad = sorted({r for r in items if not 0 <= r < world_size})
     if bad:
-        raise ValueError(f"rank {', '.join(map(str, bad))} out of range: this lab has "
-                         f"{world_size} rank{'s' if world_size != 1 else ''} ({allowed})")
+        raise ValueError(
+            f"rank {', '.join(map(str, bad))} out of range: this lab has "
+            f"{world_size} rank{'s' if world_size != 1 else ''} ({allowed})"
+        )
     return sorted(set(items))

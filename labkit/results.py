@@ -64,7 +64,7 @@ class Results(dict):
     """{rank: RankResult} for one `lab.run`; shows per-rank values and errors."""
 
     @property
-    def values(self) -> dict[int, Any]:
+    def values_by_rank(self) -> dict[int, Any]:
         return {r: res.value for r, res in self.items()}
 
     @property
@@ -95,8 +95,10 @@ def _header(rank: int, info: dict[str, Any] | None) -> str:
         t = info["tensor"]
         shape = "×".join(map(str, t["shape"])) or "scalar"
         grad = " · requires_grad" if t.get("requires_grad") else ""
-        return (f"rank {rank} · tensor {shape} · {t['dtype'].removeprefix('torch.')} · "
-                f"{t['device']}{grad}")
+        return (
+            f"rank {rank} · tensor {shape} · {t['dtype'].removeprefix('torch.')} · "
+            f"{t['device']}{grad}"
+        )
     return f"rank {rank}" + (f" · {info['type']}" if info else "")
 
 
@@ -117,8 +119,10 @@ def values_html(results: dict[int, RankResult]) -> str:
         )
     if not cells:
         return ""
-    style = ("<style>.lk-rank{border:1px solid #ccc;border-radius:4px;padding:4px 8px;"
-             "margin:2px 0}.lk-err{border-color:#d33}</style>")
+    style = (
+        "<style>.lk-rank{border:1px solid #ccc;border-radius:4px;padding:4px 8px;"
+        "margin:2px 0}.lk-err{border-color:#d33}</style>"
+    )
     return style + "".join(cells)
 
 

@@ -16,7 +16,8 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import labkit
 
@@ -26,11 +27,16 @@ class ForkServer:
         root = os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        self.log_path = os.path.join(tempfile.gettempdir(), f"labkit-fs-{os.getpid()}-{id(self)}.log")
+        self.log_path = os.path.join(
+            tempfile.gettempdir(), f"labkit-fs-{os.getpid()}-{id(self)}.log"
+        )
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "labkit.forkserver", str(os.getpid())],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self.log, env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.log,
+            env=env,
             start_new_session=True,
         )
         self.facts: dict[str, Any] | None = None
@@ -42,20 +48,25 @@ class ForkServer:
         threading.Thread(target=self._read, name="labkit-forkserver", daemon=True).start()
 
     def _read(self) -> None:
-        for line in self.proc.stdout:  # type: ignore[union-attr]
-            msg = json.loads(line)
-            with self.cond:
-                if msg["type"] == "hello":
-                    self.facts = msg
-                elif msg["type"] == "spawned":
-                    self.spawned[(msg["gen"], msg["rank"])] = msg["pid"]
-                elif msg["type"] == "exited":
-                    self.exited[msg["pid"]] = msg["code"]
-                self.cond.notify_all()
-            if msg["type"] == "exited" and self.on_exit is not None:
-                self.on_exit(msg["pid"], msg["rank"], msg["code"])
+        try:
+            for line in self.proc.stdout:  # type: ignore[union-attr]
+                self._handle(json.loads(line))
+        except (ValueError, OSError):  # closed by close() while reading
+            pass
         with self.cond:
             self.cond.notify_all()
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        with self.cond:
+            if msg["type"] == "hello":
+                self.facts = msg
+            elif msg["type"] == "spawned":
+                self.spawned[(msg["gen"], msg["rank"])] = msg["pid"]
+            elif msg["type"] == "exited":
+                self.exited[msg["pid"]] = msg["code"]
+            self.cond.notify_all()
+        if msg["type"] == "exited" and self.on_exit is not None:
+            self.on_exit(msg["pid"], msg["rank"], msg["code"])
 
     def alive(self) -> bool:
         return self.proc.poll() is None
@@ -65,8 +76,9 @@ class ForkServer:
         with self.cond:
             while self.facts is None:
                 if not self.alive():
-                    raise RuntimeError("the labkit fork server exited while starting; its log:\n"
-                                       + self.read_log())
+                    raise RuntimeError(
+                        "the labkit fork server exited while starting; its log:\n" + self.read_log()
+                    )
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"the labkit fork server did not start in {timeout:.0f} s")
@@ -123,6 +135,8 @@ class ForkServer:
                 self.proc.send_signal(signal.SIGKILL)  # our own child, by its Popen handle
                 self.proc.wait()
         self.log.close()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
         try:
             os.unlink(self.log_path)
         except OSError:

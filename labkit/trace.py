@@ -21,8 +21,9 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import Any
 
 from labkit.records import CommRecord, SpanRecord
 
@@ -85,8 +86,16 @@ def current() -> dict[str, Any] | None:
     rec = STATE.current
     if rec is None:
         return None
-    return {"op": rec.op, "seq": rec.seq, "group": rec.group, "peer": rec.peer,
-            "since": rec.start, "line": rec.line, "shape": rec.shape, "dtype": rec.dtype}
+    return {
+        "op": rec.op,
+        "seq": rec.seq,
+        "group": rec.group,
+        "peer": rec.peer,
+        "since": rec.start,
+        "line": rec.line,
+        "shape": rec.shape,
+        "dtype": rec.dtype,
+    }
 
 
 def _record(rec: CommRecord | SpanRecord) -> None:
@@ -148,11 +157,18 @@ def _wrap(op: str, fn: Any) -> Any:
         filename, line = _user_line()
         reduce_op = bound.get("op")
         rec = CommRecord(
-            rank=STATE.rank, op=op, seq=seq, group=ranks, peer=peer,
+            rank=STATE.rank,
+            op=op,
+            seq=seq,
+            group=ranks,
+            peer=peer,
             bytes=sum(t.numel() * t.element_size() for t in tensors),
             dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
             shape=tuple(first.shape) if first is not None else (),
-            start=time.time(), cell=STATE.cell, line=line, filename=filename,
+            start=time.time(),
+            cell=STATE.cell,
+            line=line,
+            filename=filename,
             async_op=op in ASYNC_ALWAYS or bool(bound.get("async_op")),
             reduce_op=str(reduce_op).rsplit(".", 1)[-1] if reduce_op is not None else None,
         )
@@ -229,5 +245,6 @@ def span(name: str) -> Iterator[None]:
     try:
         yield
     finally:
-        _record(SpanRecord(rank=STATE.rank, name=name, start=start, end=time.time(),
-                           cell=STATE.cell))
+        _record(
+            SpanRecord(rank=STATE.rank, name=name, start=start, end=time.time(), cell=STATE.cell)
+        )

@@ -19,6 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 GRACE = 1.0
+P2P = {"send", "recv", "isend", "irecv"}
+
+
+def _p2p_peer(op: dict[str, Any]) -> int | None:
+    return op.get("peer") if op["op"] in P2P else None
 
 
 def _fmt_ranks(ranks: Any) -> str:
@@ -28,13 +33,19 @@ def _fmt_ranks(ranks: Any) -> str:
 
 def _op_text(rank: int, op: dict[str, Any]) -> str:
     where = f", line {op['line']}" if op.get("line") else ""
-    peer = f" with peer {op['peer']}" if op.get("peer") is not None else ""
-    return (f"rank {rank} waits in {op['op']} #{op['seq']} on group [{_fmt_ranks(op['group'])}]"
-            f"{peer} ({op.get('dtype') or '-'} {tuple(op.get('shape') or ())}{where})")
+    peer = f" with peer {op['peer']}" if _p2p_peer(op) is not None else ""
+    return (
+        f"rank {rank} waits in {op['op']} #{op['seq']} on group [{_fmt_ranks(op['group'])}]"
+        f"{peer} ({op.get('dtype') or '-'} {tuple(op.get('shape') or ())}{where})"
+    )
 
 
-def diagnose(blocked: dict[int, dict[str, Any]], running: set[int], why_not: dict[int, str],
-             grace: float = GRACE) -> str | None:
+def diagnose(
+    blocked: dict[int, dict[str, Any]],
+    running: set[int],
+    why_not: dict[int, str],
+    grace: float = GRACE,
+) -> str | None:
     """Why the cell is stuck, or None. `blocked[r]` is rank r's current op with `blocked_s`.
 
     `running` holds the ranks still executing the cell; `why_not[r]` says why a rank is not
@@ -42,30 +53,36 @@ def diagnose(blocked: dict[int, dict[str, Any]], running: set[int], why_not: dic
     """
     long = {r: op for r, op in blocked.items() if r in running and op["blocked_s"] >= grace}
     for r, op in sorted(long.items()):
-        needed = set(op["group"]) if op.get("peer") is None else {op["peer"]}
+        peer = _p2p_peer(op)
+        needed = set(op["group"]) if peer is None else {peer}
         absent = sorted(needed - running)
         if absent:
             reasons = "; ".join(f"rank {a} {why_not.get(a, 'is not running')}" for a in absent)
             return f"{_op_text(r, op)}, which can never complete: {reasons}."
     by_group: dict[tuple[int, ...], dict[int, dict[str, Any]]] = {}
     for r, op in long.items():
-        if op.get("peer") is None:
+        if _p2p_peer(op) is None:
             by_group.setdefault(tuple(op["group"]), {})[r] = op
     for group, ops in by_group.items():
         if set(ops) != set(group):
             continue
-        keys = {(op["seq"], op["op"], tuple(op.get("shape") or ()), op.get("dtype")) for op in
-                ops.values()}
+        keys = {
+            (op["seq"], op["op"], tuple(op.get("shape") or ()), op.get("dtype"))
+            for op in ops.values()
+        }
         if len(keys) > 1:
             what = "order" if len({op["seq"] for op in ops.values()}) > 1 else "op, shape or dtype"
             lines = "\n  ".join(_op_text(r, op) for r, op in sorted(ops.items()))
-            return f"mismatched collectives on group [{_fmt_ranks(group)}] ({what} differs):\n  {lines}"
+            head = f"mismatched collectives on group [{_fmt_ranks(group)}] ({what} differs)"
+            return f"{head}:\n  {lines}"
     for r, op in long.items():
-        peer = op.get("peer")
+        peer = _p2p_peer(op)
         other = long.get(peer) if peer is not None else None
-        if other is not None and other.get("peer") == r:
+        if other is not None and _p2p_peer(other) == r:
             a, b = op["op"].lstrip("i"), other["op"].lstrip("i")
             if a == b:
-                return (f"ranks {r} and {peer} both wait to {a} to each other first:\n  "
-                        f"{_op_text(r, op)}\n  {_op_text(peer, other)}")
+                return (
+                    f"ranks {r} and {peer} both wait to {a} to each other first:\n  "
+                    f"{_op_text(r, op)}\n  {_op_text(peer, other)}"
+                )
     return None

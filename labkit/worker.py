@@ -83,11 +83,17 @@ class Rank:
     # -- start-up --------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.cfg
-        os.environ.update({
-            "RANK": str(self.rank), "WORLD_SIZE": str(cfg["world_size"]),
-            "LOCAL_RANK": str(cfg["local_rank"]), "LOCAL_WORLD_SIZE": str(cfg["local_world_size"]),
-            "MASTER_ADDR": cfg["master_addr"], "GROUP_RANK": "0", "ROLE_RANK": str(self.rank),
-        })
+        os.environ.update(
+            {
+                "RANK": str(self.rank),
+                "WORLD_SIZE": str(cfg["world_size"]),
+                "LOCAL_RANK": str(cfg["local_rank"]),
+                "LOCAL_WORLD_SIZE": str(cfg["local_world_size"]),
+                "MASTER_ADDR": cfg["master_addr"],
+                "GROUP_RANK": "0",
+                "ROLE_RANK": str(self.rank),
+            }
+        )
         log_dir = cfg.get("log_dir")
         log = os.path.join(log_dir, f"rank-{self.rank}.log") if log_dir else None
         self.capture = Capture(self.stream, log)
@@ -99,15 +105,28 @@ class Rank:
         trace.install()
         port = None
         if self.rank == 0 and cfg.get("master_port") is None:
-            self.store = dist.TCPStore(cfg["master_addr"], 0, cfg["world_size"], is_master=True,
-                                       wait_for_workers=False,
-                                       timeout=datetime.timedelta(seconds=cfg["pg_timeout"]))
+            self.store = dist.TCPStore(
+                cfg["master_addr"],
+                0,
+                cfg["world_size"],
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=cfg["pg_timeout"]),
+            )
             port = self.store.port
         self.device = self._pick_device(torch)
         self.ns = self._namespace(torch, dist)
-        self.reply({"type": "hello", "pid": os.getpid(), "host": socket.gethostname(),
-                    "port": port, "device": str(self.device), "time": time.time(),
-                    "num_cpus": os.cpu_count()})
+        self.reply(
+            {
+                "type": "hello",
+                "pid": os.getpid(),
+                "host": socket.gethostname(),
+                "port": port,
+                "device": str(self.device),
+                "time": time.time(),
+                "num_cpus": os.cpu_count(),
+            }
+        )
 
     def _pick_device(self, torch: Any) -> Any:
         if self.cfg["device"] == "cuda":
@@ -121,9 +140,18 @@ class Rank:
         import torch.nn.functional as F
 
         cfg = self.cfg
-        return {"__name__": "__main__", "__builtins__": __builtins__, "rank": self.rank,
-                "world_size": cfg["world_size"], "local_rank": cfg["local_rank"],
-                "device": self.device, "torch": torch, "dist": dist, "nn": nn, "F": F}
+        return {
+            "__name__": "__main__",
+            "__builtins__": __builtins__,
+            "rank": self.rank,
+            "world_size": cfg["world_size"],
+            "local_rank": cfg["local_rank"],
+            "device": self.device,
+            "torch": torch,
+            "dist": dist,
+            "nn": nn,
+            "F": F,
+        }
 
     def init_group(self, msg: dict[str, Any]) -> None:
         import torch.distributed as dist
@@ -132,18 +160,30 @@ class Rank:
         timeout = datetime.timedelta(seconds=cfg["pg_timeout"])
         os.environ["MASTER_PORT"] = str(msg["port"])
         if self.store is None:
-            self.store = dist.TCPStore(cfg["master_addr"], msg["port"], cfg["world_size"],
-                                       is_master=False, timeout=timeout)
+            self.store = dist.TCPStore(
+                cfg["master_addr"], msg["port"], cfg["world_size"], is_master=False, timeout=timeout
+            )
         t0 = time.time()
         store = dist.PrefixStore(f"labkit/{self.gen}", self.store)
-        dist.init_process_group(cfg["backend"], store=store, rank=self.rank,
-                                world_size=cfg["world_size"], timeout=timeout)
+        dist.init_process_group(
+            cfg["backend"],
+            store=store,
+            rank=self.rank,
+            world_size=cfg["world_size"],
+            timeout=timeout,
+        )
         self.reply({"type": "ready", "init_s": time.time() - t0})
 
     # -- serving ---------------------------------------------------------------------------
     def serve(self) -> None:
-        handlers = {"init": self.init_group, "exec": self.execute, "pull": self.pull,
-                    "push": self.push, "trace": self.send_trace, "ping": self.pong}
+        handlers = {
+            "init": self.init_group,
+            "exec": self.execute,
+            "pull": self.pull,
+            "push": self.push,
+            "trace": self.send_trace,
+            "ping": self.pong,
+        }
         while True:
             try:
                 msg = self.codec.decode(self.ctrl.recv_multipart(copy=False))
@@ -208,8 +248,14 @@ class Rank:
         duration = time.perf_counter() - t0
         self.capture.flush()
         self.busy_cell = None
-        reply = {"type": "done", "id": cell, "duration": duration, "error": error,
-                 "t_end": time.time(), "stream_seq": self.stream_seq}
+        reply = {
+            "type": "done",
+            "id": cell,
+            "duration": duration,
+            "error": error,
+            "t_end": time.time(),
+            "stream_seq": self.stream_seq,
+        }
         if value is not None and msg.get("display", True):
             reply["display"] = describe(value)
         self._reply_with_value(reply, value if msg.get("want_value", True) else None)
@@ -239,12 +285,15 @@ class Rank:
                 header, buffers = dumps(value)
                 size = len(header) + sum(b.raw().nbytes for b in buffers)
                 if size > MAX_VALUE_BYTES:
-                    raise ValueError(f"it is {size / 2**20:.0f} MiB, over the "
-                                     f"{MAX_VALUE_BYTES >> 20} MiB limit")
+                    raise ValueError(
+                        f"it is {size / 2**20:.0f} MiB, over the {MAX_VALUE_BYTES >> 20} MiB limit"
+                    )
                 reply["value"] = value
             except Exception as exc:  # noqa: BLE001
-                reply["value_error"] = (f"the value ({type(value).__name__}) could not be sent "
-                                        f"to the kernel: {type(exc).__name__}: {exc}")
+                reply["value_error"] = (
+                    f"the value ({type(value).__name__}) could not be sent "
+                    f"to the kernel: {type(exc).__name__}: {exc}"
+                )
         self.reply(reply)
 
     def pull(self, msg: dict[str, Any]) -> None:
@@ -263,8 +312,14 @@ class Rank:
     def send_trace(self, msg: dict[str, Any]) -> None:
         if "enabled" in msg:
             trace.set_enabled(msg["enabled"])
-        self.reply({"type": "done", "id": msg["id"], "error": None,
-                    "value": trace.records(msg.get("cell"))})
+        self.reply(
+            {
+                "type": "done",
+                "id": msg["id"],
+                "error": None,
+                "value": trace.records(msg.get("cell")),
+            }
+        )
 
     def pong(self, msg: dict[str, Any]) -> None:
         self.reply({"type": "pong", "id": msg["id"], "time": time.time()})
@@ -280,18 +335,24 @@ def describe(value: Any) -> dict[str, Any]:
     info["text"] = text if len(text) <= 20_000 else text[:20_000] + " ..."
     torch = sys.modules.get("torch")
     if torch is not None and isinstance(value, torch.Tensor):
-        info["tensor"] = {"shape": tuple(value.shape), "dtype": str(value.dtype),
-                          "device": str(value.device), "requires_grad": value.requires_grad}
+        info["tensor"] = {
+            "shape": tuple(value.shape),
+            "dtype": str(value.dtype),
+            "device": str(value.device),
+            "requires_grad": value.requires_grad,
+        }
     return info
 
 
 def _format_error(exc: BaseException) -> dict[str, Any]:
-    frames = [f for f in traceback.extract_tb(exc.__traceback__)
-              if not f.filename.endswith(os.path.join("labkit", "worker.py"))]
+    frames = [
+        f
+        for f in traceback.extract_tb(exc.__traceback__)
+        if not f.filename.endswith(os.path.join("labkit", "worker.py"))
+    ]
     text = "".join(traceback.format_list(frames)) if frames else ""
     text += "".join(traceback.format_exception_only(type(exc), exc))
-    return {"type": type(exc).__name__, "message": str(exc), "traceback": text,
-            "time": time.time()}
+    return {"type": type(exc).__name__, "message": str(exc), "traceback": text, "time": time.time()}
 
 
 def run(cfg: dict[str, Any]) -> None:

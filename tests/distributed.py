@@ -13,7 +13,8 @@ import multiprocessing as mp
 import os
 import socket
 import traceback
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _free_port() -> int:
@@ -25,8 +26,13 @@ def _free_port() -> int:
 def _entry(fn, rank, world_size, port, args, queue):
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
         queue.put((rank, True, fn(rank, world_size, *args)))
@@ -41,8 +47,10 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     port = _free_port()
-    procs = [ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue))
-             for r in range(world_size)]
+    procs = [
+        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue))
+        for r in range(world_size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

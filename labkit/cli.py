@@ -1,0 +1,127 @@
+"""The `labkit` command: `labkit lab`, `labkit check`, `labkit doctor` (runs in a shell)."""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import os
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def notebooks_dir() -> str:
+    """The curriculum: ./notebooks if present, else the one beside the package source."""
+    here = os.path.join(os.getcwd(), "notebooks")
+    if os.path.isdir(here):
+        return here
+    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+
+
+def cmd_lab(args: argparse.Namespace) -> int:
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        f"--notebook-dir={args.dir or notebooks_dir()}",
+        "--ServerApp.ip=127.0.0.1",
+        *args.extra,
+    ]
+    return subprocess.call(cmd)
+
+
+def run_notebook(path: str, timeout: int = 600) -> tuple[bool, float, str]:
+    """Execute a notebook top to bottom in a fresh kernel; (ok, seconds, error summary)."""
+    import nbformat
+    from nbclient import NotebookClient
+    from nbclient.exceptions import CellExecutionError
+
+    nb = nbformat.read(path, as_version=4)
+    client = NotebookClient(
+        nb,
+        timeout=timeout,
+        kernel_name="python3",
+        resources={"metadata": {"path": os.path.dirname(path)}},
+    )
+    t0 = time.perf_counter()
+    try:
+        client.execute()
+        return True, time.perf_counter() - t0, ""
+    except CellExecutionError as exc:
+        lines = [ln for ln in str(exc).splitlines() if ln.strip()]
+        return False, time.perf_counter() - t0, lines[-1] if lines else "cell failed"
+    except Exception as exc:  # noqa: BLE001 - a timeout or a dead kernel is a failed check
+        return False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    paths = args.notebooks or sorted(glob.glob(os.path.join(notebooks_dir(), "*.ipynb")))
+    if not paths:
+        print("no notebooks found", file=sys.stderr)
+        return 2
+    width = max(len(os.path.basename(p)) for p in paths)
+    failed = 0
+    for path in paths:
+        ok, seconds, error = run_notebook(path, args.timeout)
+        failed += not ok
+        print(
+            f"{os.path.basename(path):<{width}}  {'pass' if ok else 'FAIL'}  {seconds:6.1f} s"
+            + (f"  {error}" if error else ""),
+            flush=True,
+        )
+    print(f"{len(paths) - failed} passed, {failed} failed")
+    return 1 if failed else 0
+
+
+def doctor() -> dict[str, Any]:
+    from labkit import spawn
+    from labkit.policy import choose
+
+    server = spawn.take()
+    try:
+        facts = server.wait_facts()
+    finally:
+        server.close()
+    facts = dict(facts)
+    facts["Lab() would choose"] = choose(None, "auto", "auto", facts).reason
+    return facts
+
+
+def cmd_doctor(args: argparse.Namespace) -> int:
+    facts = doctor()
+    for key in (
+        "python",
+        "torch",
+        "cuda",
+        "gpus",
+        "cpus",
+        "gloo",
+        "nccl",
+        "mpi",
+        "Lab() would choose",
+    ):
+        print(f"{key:>20}: {facts.get(key)}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="labkit", description=__doc__)
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    p = sub.add_parser("lab", help="open JupyterLab on the notebooks")
+    p.add_argument("--dir")
+    p.add_argument("extra", nargs=argparse.REMAINDER)
+    p.set_defaults(fn=cmd_lab)
+    p = sub.add_parser("check", help="run every notebook headless and print a pass/fail table")
+    p.add_argument("notebooks", nargs="*")
+    p.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    p.set_defaults(fn=cmd_check)
+    p = sub.add_parser("doctor", help="torch, backends, GPUs and what Lab() would choose")
+    p.set_defaults(fn=cmd_doctor)
+    args = parser.parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

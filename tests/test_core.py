@@ -1,0 +1,193 @@
+"""The core on 4 CPU ranks with gloo: dispatch, namespaces, output, values, pull/push, errors."""
+
+import os
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+import labkit
+from labkit import LabError, RemoteError
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_namespace_and_torchrun_env(lab):
+    res = lab.run(
+        "import os\n"
+        "(rank, world_size, local_rank, str(device), dist.get_rank(), dist.get_world_size(),\n"
+        " os.environ['RANK'], os.environ['WORLD_SIZE'], os.environ['LOCAL_RANK'],\n"
+        " os.environ['MASTER_ADDR'], int(os.environ['MASTER_PORT']) > 0, nn.Linear, F.relu)"
+    )
+    for r, result in res.items():
+        v = result.value
+        assert v[:9] == (r, 4, r, "cpu", r, 4, str(r), "4", str(r))
+        assert v[9] == "127.0.0.1" and v[10]
+        assert v[11] is torch.nn.Linear
+
+
+def test_state_persists_and_collective(lab):
+    lab.run("x = torch.arange(4.) + rank * 10")
+    res = lab.run("dist.all_reduce(x)\nx")
+    expected = sum(torch.arange(4.0) + r * 10 for r in range(4))
+    for r in range(4):
+        assert torch.equal(res[r].value, expected)
+        assert res[r].display["tensor"]["shape"] == (4,)
+        assert res[r].display["tensor"]["device"] == "cpu"
+        assert "float32" in res[r].display["tensor"]["dtype"]
+
+
+@pytest.mark.parametrize("spec,expected", [("0,2", [0, 2]), ("1-3", [1, 2, 3]), ([3], [3])])
+def test_subsets(lab, spec, expected):
+    res = lab.run("rank * 100", ranks=spec)
+    assert sorted(res) == expected
+    assert all(res[r].value == r * 100 for r in expected)
+
+
+def test_function_gets_namespace_by_parameter_name(lab):
+    def step(rank, world_size):
+        t = torch.tensor([float(rank)])
+        torch.distributed.all_reduce(t)
+        return t.item(), world_size
+
+    assert lab.run(step).values_by_rank == {r: (6.0, 4) for r in range(4)}
+
+
+def test_output_is_tagged_and_fd_level(lab, capfd):
+    res = lab.run(
+        "import os, subprocess\n"
+        "print('py', rank)\n"
+        "os.write(1, f'fd {rank}\\n'.encode())\n"
+        "os.write(2, f'err {rank}\\n'.encode())\n"
+        "subprocess.run(['echo', f'child {rank}'])\n"
+        "import sys; sys.stdout.write('partial')"
+    )
+    out, err = capfd.readouterr()
+    for r in range(4):
+        for line in (f"[rank {r}] py {r}", f"[rank {r}] fd {r}", f"[rank {r}] child {r}"):
+            assert line in out
+        assert f"[rank {r}] err {r}" in err
+        assert f"[rank {r}] partial" in out
+        assert res[r].output.count("\n") >= 3
+    # never interleaved mid-line: every line starts with a rank tag
+    assert all(line.startswith("[rank ") for line in out.splitlines() if line)
+
+
+class _Clock:
+    """A stdout that remembers when each piece arrived."""
+
+    def __init__(self):
+        self.writes = []
+
+    def write(self, text):
+        self.writes.append((time.monotonic(), text))
+
+    def flush(self):
+        pass
+
+
+def test_output_streams_while_cell_runs(lab, monkeypatch):
+    clock = _Clock()
+    monkeypatch.setattr(sys, "stdout", clock)
+    t0 = time.monotonic()
+    lab.run("import time\nprint('early', flush=True)\ntime.sleep(1.5)\nprint('late')", ranks=0)
+    early = [t for t, text in clock.writes if "early" in text]
+    assert early and early[0] - t0 < 1.0, clock.writes
+
+
+def test_large_pull_and_push(lab):
+    lab.run("big = torch.full((4, 1024, 1024), float(rank))")  # 16 MB per rank
+    got = lab.pull("big")
+    assert sorted(got) == [0, 1, 2, 3]
+    for r, t in got.items():
+        assert t.shape == (4, 1024, 1024) and t.device.type == "cpu"
+        assert float(t[0, 0, 0]) == r and float(t.sum()) == r * t.numel()
+    payload = torch.randn(1024, 1024)
+    lab.push(w=payload, lr=0.25)
+    sums = lab.run("(w.sum().item(), lr)").values_by_rank
+    assert all(abs(v[0] - payload.sum().item()) < 1e-2 and v[1] == 0.25 for v in sums.values())
+    assert lab.pull("big.shape", ranks=1) == {1: torch.Size([4, 1024, 1024])}
+
+
+def test_pull_missing_name_names_the_rank(lab):
+    lab.run("only_on_one = 1", ranks=1)
+    with pytest.raises(RemoteError, match="NameError") as info:
+        lab.pull("only_on_one")
+    assert info.value.root in (0, 2, 3) and 1 not in info.value.errors
+
+
+def test_error_names_rank_and_root_cause(lab):
+    res = lab.run(
+        "import time\n"
+        "if rank == 2:\n"
+        "    1 / 0\n"
+        "time.sleep(0.3)\n"
+        "if rank == 3:\n"
+        "    raise ValueError('later')\n"
+    )
+    assert res[2].error["type"] == "ZeroDivisionError" and res[3].error["type"] == "ValueError"
+    assert res[0].ok and res[1].ok
+    with pytest.raises(RemoteError) as info:
+        res.raise_for_errors()
+    assert info.value.root == 2
+    assert "rank 2 raised ZeroDivisionError" in str(info.value)
+    text = "\n".join(info.value._render_traceback_())
+    assert "rank 2 (root cause)" in text and "<cell-" in text and "1 / 0" in text
+    assert "worker.py" not in text
+
+
+def test_syntax_error_is_local_and_lab_stays_usable(lab):
+    with pytest.raises(SyntaxError):
+        lab.run("def broken(:\n  pass")
+    assert lab.run("rank").values_by_rank == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
+def test_unpicklable_value_is_shown_not_lost(lab):
+    res = lab.run("import threading\nthreading.Lock()", ranks=0)
+    assert res[0].ok and res[0].value is None
+    assert "could not be sent" in res[0].value_error
+    assert "lock" in res[0].display["text"]
+    lab.run("lk = threading.Lock()", ranks=0)
+    with pytest.raises(LabError, match="could not be sent"):
+        lab.pull("lk", ranks=0)
+
+
+def test_classes_defined_on_ranks_come_back(lab):
+    res = lab.run("class P:\n    def __init__(self, v): self.v = v\nP(rank)")
+    assert res[3].value.v == 3
+
+
+def test_interrupt_stops_busy_ranks_and_keeps_state(lab):
+    lab.run("kept = rank + 1")
+    timer = threading.Timer(1.0, lambda: __import__("_thread").interrupt_main())
+    timer.start()
+    t0 = time.monotonic()
+    res = lab.run("while True:\n    pass")
+    assert time.monotonic() - t0 < 5
+    assert all(r.error["type"] == "KeyboardInterrupt" for r in res.values())
+    assert lab.run("kept").values_by_rank == {0: 1, 1: 2, 2: 3, 3: 4}
+
+
+def test_trace_records_collectives(lab):
+    lab.run("t = torch.ones(1000)\ndist.all_reduce(t)\ndist.broadcast(t, src=1)\ndist.barrier()")
+    recs = lab.trace()
+    for r in range(4):
+        ops = [(x.op, x.seq, x.bytes) for x in recs if x.rank == r]
+        assert [o for o, _, _ in ops] == ["all_reduce", "broadcast", "barrier"]
+        assert ops[0][2] == 4000 and ops[1][2] == 4000
+        assert all(x.end >= x.start for x in recs)
+    assert {x.peer for x in recs if x.op == "broadcast"} == {1}
+
+
+def test_status_report(lab):
+    report = lab.status_report()
+    assert report["world_size"] == 4 and report["backend"] == "gloo"
+    assert [r["rank"] for r in report["ranks"]] == [0, 1, 2, 3]
+    assert all(r["alive"] for r in report["ranks"])
+    assert os.path.isdir(report["log_dir"])
+
+
+def test_current_is_the_last_started(lab):
+    assert labkit.current() is lab
