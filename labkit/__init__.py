@@ -8,6 +8,8 @@ dependencies (IPython, ipywidgets, plotly).
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -22,6 +24,7 @@ __all__ = [
     "current",
     "span",
     "load_ipython_extension",
+    "prewarm",
     "__version__",
 ]
 
@@ -50,3 +53,20 @@ def load_ipython_extension(ipython: Any) -> None:
     from labkit.magics import load
 
     load(ipython)
+    prewarm()
+
+
+def prewarm() -> None:
+    """Start a fork server (it imports torch) now, so the next `Lab(n)` only forks.
+
+    Done by `%load_ext labkit` and by `import labkit` inside a Jupyter kernel; set
+    LABKIT_PREWARM=0 to turn it off.
+    """
+    if os.environ.get("LABKIT_PREWARM", "1") != "0":
+        from labkit import spawn
+
+        spawn.prewarm()
+
+
+if "ipykernel" in sys.modules and os.environ.get("LABKIT_PREWARM", "1") != "0":
+    prewarm()

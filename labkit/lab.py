@@ -24,6 +24,7 @@ import ast
 import atexit
 import os
 import re
+import shutil
 import signal
 import tempfile
 import threading
@@ -106,8 +107,9 @@ class Lab:
         os.makedirs(self.log_dir, exist_ok=True)
         self.codec = Codec(new_key())
         self.ctx = zmq.Context()
-        self.ctrl = self._bind()
-        self.side = self._bind()
+        self.sock_dir = tempfile.mkdtemp(prefix="labkit-")  # 0700: only this user gets in
+        self.ctrl = self._bind("ctrl")
+        self.side = self._bind("side")
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         self.poller = zmq.Poller()
@@ -140,11 +142,12 @@ class Lab:
                 raise
 
     # -- sockets and background thread ------------------------------------------------------
-    def _bind(self) -> zmq.Socket:
+    def _bind(self, name: str) -> zmq.Socket:
+        """A ROUTER on a Unix socket in a private directory (faster than TCP loopback)."""
         sock = self.ctx.socket(zmq.ROUTER)
         sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind_to_random_port("tcp://127.0.0.1")
+        sock.bind(f"ipc://{os.path.join(self.sock_dir, name)}")
         return sock
 
     def _endpoint(self, sock: zmq.Socket) -> str:
@@ -301,6 +304,7 @@ class Lab:
             self.ctx.destroy(linger=0)
             os.close(self.wake_r)
             os.close(self.wake_w)
+            shutil.rmtree(self.sock_dir, ignore_errors=True)
             if _current is self:
                 _current = None
 
