@@ -36,6 +36,7 @@ __all__ = [
     "send_tensor",
     "split_boundaries",
     "split_sequential",
+    "train_step",
 ]
 
 MAX_DIMS = 8
@@ -112,7 +113,7 @@ def recv_tensor(
     shape: torch.Size | tuple[int, ...] | None = None,
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Receive a tensor from group rank `src` (blocking); read its shape from a header unless given."""
+    """Receive a tensor from group rank `src` (blocking); its shape from a header unless given."""
     peer = _global(group, src)
     if shape is None:
         head = torch.empty(MAX_DIMS + 1, dtype=torch.int64)
@@ -156,6 +157,28 @@ def forward_backward_step(
         for work in send_tensor(inp.grad, stage - 1, group, header=False):
             work.wait()
     return loss.detach() if last else None
+
+
+def train_step(
+    stage_module: nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    x: torch.Tensor | None,
+    y: torch.Tensor | None,
+    loss_fn: LossFn,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor | None:
+    """zero_grad, `forward_backward_step`, optimizer step: one training step of a split model.
+
+    Runs on every rank of the group; every rank must call it. Each rank's optimizer holds only
+    its stage's parameters (no communication is needed for the update); a stage without
+    parameters passes None. Returns the loss on the last stage and None elsewhere.
+    """
+    if optimizer is not None:
+        optimizer.zero_grad()
+    loss = forward_backward_step(stage_module, x, y, loss_fn, group)
+    if optimizer is not None:
+        optimizer.step()
+    return loss
 
 
 @dataclass
