@@ -232,7 +232,7 @@ def broadcast_plan(plan: Plan | None, src: int = 0, group: dist.ProcessGroup | N
     """
     box = [plan]
     dist.broadcast_object_list(
-        box, src=dist.get_global_rank(group, src) if group else src, group=group
+        box, src=src if group is None else dist.get_global_rank(group, src), group=group
     )
     assert box[0] is not None
     return box[0]
