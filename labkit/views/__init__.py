@@ -1,0 +1,25 @@
+"""Views of a lab (kernel side): per-rank tensors, parameter placement, timeline, traffic.
+
+Every view takes a lab or plain data (tensors, placement rows, trace records), returns an
+ipywidgets container of plotly figures (`.figures`), and has `.to_html()`, a static fallback
+that needs no JavaScript and no network. Views never talk to ranks except through the lab's
+public `pull`, `run`, `trace` and `ranks_info`.
+"""
+
+from labkit.views._common import ViewWarning, human_bytes
+from labkit.views.bandwidth import algbw, busbw, busbw_factor
+from labkit.views.tensors import TensorView, show_tensors
+from labkit.views.timeline import TimelineView, show_timeline, timeline_summary
+
+__all__ = [
+    "TensorView",
+    "TimelineView",
+    "ViewWarning",
+    "algbw",
+    "busbw",
+    "busbw_factor",
+    "human_bytes",
+    "show_tensors",
+    "show_timeline",
+    "timeline_summary",
+]
