@@ -8,10 +8,13 @@ public `pull`, `run`, `trace` and `ranks_info`.
 
 from labkit.views._common import ViewWarning, human_bytes
 from labkit.views.bandwidth import algbw, busbw, busbw_factor
+from labkit.views.placement import PlacementView, show_placement
+from labkit.views.placement_data import memory_by_rank, merge_placement
 from labkit.views.tensors import TensorView, show_tensors
 from labkit.views.timeline import TimelineView, show_timeline, timeline_summary
 
 __all__ = [
+    "PlacementView",
     "TensorView",
     "TimelineView",
     "ViewWarning",
@@ -19,6 +22,9 @@ __all__ = [
     "busbw",
     "busbw_factor",
     "human_bytes",
+    "memory_by_rank",
+    "merge_placement",
+    "show_placement",
     "show_tensors",
     "show_timeline",
     "timeline_summary",
