@@ -8,12 +8,14 @@ public `pull`, `run`, `trace` and `ranks_info`.
 
 from labkit.views._common import ViewWarning, human_bytes
 from labkit.views.bandwidth import algbw, busbw, busbw_factor
+from labkit.views.comm import CommView, op_summary, show_comm, traffic_matrix
 from labkit.views.placement import PlacementView, show_placement
 from labkit.views.placement_data import memory_by_rank, merge_placement
 from labkit.views.tensors import TensorView, show_tensors
 from labkit.views.timeline import TimelineView, show_timeline, timeline_summary
 
 __all__ = [
+    "CommView",
     "PlacementView",
     "TensorView",
     "TimelineView",
@@ -24,8 +26,11 @@ __all__ = [
     "human_bytes",
     "memory_by_rank",
     "merge_placement",
+    "op_summary",
+    "show_comm",
     "show_placement",
     "show_tensors",
     "show_timeline",
     "timeline_summary",
+    "traffic_matrix",
 ]
