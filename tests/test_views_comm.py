@@ -76,7 +76,7 @@ def test_view_figures_table_and_lab() -> None:
     assert heat.data[0].type == "heatmap" and list(heat.data[0].z[0]) == view.matrix[0]
     assert list(heat.data[0].x) == ["rank 0", "rank 1", "rank 2"]
     assert [t.name for t in bars.data] == ["busbw", "algbw"]
-    assert "all_reduce" in view.children[1].value and "GB/s" in view.children[1].value
+    assert "all_reduce" in view.children[1].value and "2.67 kB/s" in view.children[1].value
     lab = FakeLab(4, records=_records())
     view = show_comm(lab, cell=2)
     assert ("trace", 2) in lab.calls and len(view.matrix) == 4

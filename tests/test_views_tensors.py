@@ -93,9 +93,10 @@ def test_lab_pull_and_rank_device_in_header() -> None:
 def test_static_html_has_values_and_no_network() -> None:
     view = show_tensors({0: torch.tensor([[1.0, 2.0]]), 1: torch.randn(50, 50)}, title="w")
     page = view.to_html()
-    assert "<td>2</td>" in page and "(50, 50) float32" in page and "min" in page
+    assert ">2</td>" in page and "(50, 50) float32" in page and "min" in page
     assert "http" not in page and "<script" not in page
     assert view._repr_mimebundle_()["text/html"] == page
+    assert view.static()._repr_html_() == page
 
 
 def test_non_numeric_value_names_the_rank() -> None:

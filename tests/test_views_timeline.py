@@ -6,7 +6,7 @@ import pytest
 from test_views_fakes import FakeLab
 
 from labkit.records import CommRecord, SpanRecord, to_dict
-from labkit.views import show_timeline, timeline_summary
+from labkit.views import ViewWarning, show_timeline, timeline_summary
 from labkit.views._common import IDLE_COLOUR, op_colour
 
 pytestmark = pytest.mark.filterwarnings("error::labkit.views.ViewWarning")
@@ -92,6 +92,13 @@ def test_warns_when_ranks_outnumber_cores() -> None:
     assert "outnumber" in view.children[0].value
     assert show_timeline(_records(), num_cpus=1).warning is not None
     assert show_timeline(_records(), num_cpus=2).warning is None
+
+
+def test_backwards_record_warns_and_is_clamped() -> None:
+    recs = [CommRecord(rank=0, op="barrier", seq=1, group=(0,), start=2.0, end=1.0)]
+    with pytest.warns(ViewWarning, match="end before they start"):
+        view = show_timeline(recs)
+    assert view.summary[0]["comm"] == 0.0 and recs[0].end == 1.0  # the caller's record is kept
 
 
 def test_static_html_and_empty_trace() -> None:

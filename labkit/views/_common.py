@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import html
 import json
+import warnings
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any, Protocol
 
 import ipywidgets as widgets
@@ -74,6 +76,16 @@ def figure_output(fig: go.Figure) -> dict[str, Any]:
     }
 
 
+class StaticHTML:
+    """HTML that IPython displays as is (no widget, no JavaScript)."""
+
+    def __init__(self, text: str) -> None:
+        self.text = text
+
+    def _repr_html_(self) -> str:
+        return self.text
+
+
 class View(widgets.VBox):
     """A view: a VBox of widgets plus `figures` (plotly, display order) and `to_html()`."""
 
@@ -90,6 +102,11 @@ class View(widgets.VBox):
     def to_html(self) -> str:  # overridden by each view
         return "<div class='labkit-view'></div>"
 
+    def static(self) -> StaticHTML:
+        """The static HTML as a displayable object: `display(view.static())` in a cell keeps a
+        readable copy in the saved notebook, which a live widget cannot give after reopening."""
+        return StaticHTML(self.to_html())
+
     def _repr_mimebundle_(self, **kwargs: Any) -> dict[str, Any]:
         # Saved notebooks keep the static HTML beside the widget reference.
         bundle = super()._repr_mimebundle_(**kwargs) or {}
@@ -102,9 +119,13 @@ def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: s
     cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
     head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
     body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(str(c))}</td>" for c in row) + "</tr>" for row in rows
+        "<tr>"
+        + "".join(f"<td style='padding:1px 6px'>{html.escape(str(c))}</td>" for c in row)
+        + "</tr>"
+        for row in rows
     )
-    return f"<table class='labkit'>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    style = "border-collapse:collapse;margin:4px 0"
+    return f"<table class='labkit' style='{style}'>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
 
 
 def warning_html(text: str) -> str:
@@ -122,8 +143,24 @@ def human_bytes(n: float) -> str:
 
 
 def human_rate(bytes_per_s: float) -> str:
-    """Bytes per second as GB/s (decimal, as nccl-tests prints)."""
-    return f"{bytes_per_s / 1e9:.3f} GB/s"
+    """Bytes per second in decimal units, as nccl-tests prints them (2.5e9 -> '2.50 GB/s')."""
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_s >= scale:
+            return f"{bytes_per_s / scale:.2f} {unit}"
+    return f"{bytes_per_s:.0f} B/s"
+
+
+def title(text: str, height: int, below: int = 30) -> dict[str, Any]:
+    """A small title `below` pixels from the top, under plotly's mode bar (which would cover it;
+    on a narrow figure the bar takes two rows, so pass a larger `below`)."""
+    return {
+        "text": text,
+        "font": {"size": 12},
+        "yref": "container",
+        "yanchor": "top",
+        "y": 1 - below / height,
+        "x": 0.02,
+    }
 
 
 def as_records(data: Iterable[Record | dict[str, Any]], cell: int | None = None) -> list[Record]:
@@ -131,6 +168,16 @@ def as_records(data: Iterable[Record | dict[str, Any]], cell: int | None = None)
     records = [r if isinstance(r, CommRecord | SpanRecord) else from_dict(r) for r in data]
     if cell is not None:
         records = [r for r in records if r.cell == cell]
+    backwards = [r for r in records if r.end < r.start]
+    if backwards:
+        warnings.warn(
+            f"{len(backwards)} record(s) end before they start (first: rank {backwards[0].rank} "
+            f"{getattr(backwards[0], 'op', getattr(backwards[0], 'name', ''))}); "
+            "drawn with zero duration",
+            ViewWarning,
+            stacklevel=3,
+        )
+        records = [replace(r, end=r.start) if r.end < r.start else r for r in records]
     return records
 
 

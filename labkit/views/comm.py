@@ -39,6 +39,7 @@ from labkit.views._common import (
     human_rate,
     op_colour,
     records_from,
+    title,
 )
 from labkit.views.bandwidth import busbw_factor, canonical_op
 
@@ -127,10 +128,10 @@ def matrix_figure(matrix: list[list[float]]) -> go.Figure:
         )
     )
     fig.update_layout(
-        title={"text": "bytes sent (row: from, column: to)", "font": {"size": 13}},
+        title=title("bytes sent (row: from, column: to)", 160 + 60 * n),
         width=200 + 70 * n,
         height=160 + 60 * n,
-        margin={"l": 60, "r": 10, "t": 40, "b": 40},
+        margin={"l": 60, "r": 10, "t": 60, "b": 40},
     )
     fig.update_yaxes(autorange="reversed")
     return fig
@@ -156,7 +157,7 @@ def ops_figure(ops: list[dict[str, Any]]) -> go.Figure:
     )
     fig.update_layout(
         barmode="group",
-        title={"text": "bandwidth per op (GB/s)", "font": {"size": 13}},
+        title=title("bandwidth per op (GB/s)", 320),
         yaxis_title="GB/s",
         height=320,
         margin={"l": 60, "r": 10, "t": 40, "b": 40},

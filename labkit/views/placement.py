@@ -22,7 +22,7 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from labkit.views._common import View, html_table, human_bytes, is_lab, warning_html
+from labkit.views._common import View, html_table, human_bytes, is_lab, title, warning_html
 from labkit.views.placement_data import (
     LAYOUTS,
     memory_by_rank,
@@ -89,11 +89,12 @@ def placement_figure(rows: list[dict[str, Any]]) -> go.Figure:
         )
     ranks = sorted({r["rank"] for r in rows})
     fig.update_layout(
-        title={"text": f"where each {unit} lives", "font": {"size": 13}},
+        title=title(f"where each {unit} lives", 140 + 24 * len(order)),
+        showlegend=True,
         height=140 + 24 * len(order),
         width=260 + 170 * len(ranks),
-        margin={"l": 10, "r": 10, "t": 40, "b": 40},
-        legend={"orientation": "h", "y": -0.1},
+        margin={"l": 10, "r": 10, "t": 50, "b": 60},
+        legend={"orientation": "h", "y": -0.12, "yanchor": "top"},
     )
     fig.update_xaxes(
         tickvals=ranks, ticktext=[f"rank {r}" for r in ranks], range=[-0.5, max(ranks) + 0.9]
@@ -132,13 +133,10 @@ def memory_figure(memory: dict[int, dict[str, Any]], devices: Mapping[int, str])
     )
     fig.update_layout(
         barmode="stack",
-        title={
-            "text": "bytes per rank: measured (bars) and predicted (diamond)",
-            "font": {"size": 13},
-        },
+        title=title("bytes per rank: measured (bars) and predicted (diamond)", 360),
         yaxis_title="bytes",
         height=360,
-        margin={"l": 60, "r": 10, "t": 40, "b": 40},
+        margin={"l": 60, "r": 10, "t": 50, "b": 40},
     )
     return fig
 

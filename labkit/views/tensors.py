@@ -20,7 +20,7 @@ import ipywidgets as widgets
 import numpy as np
 import plotly.graph_objects as go
 
-from labkit.views._common import View, html_table, is_lab
+from labkit.views._common import View, html_table, is_lab, title
 
 __all__ = ["TensorView", "show_tensors", "tensor_panel"]
 
@@ -133,12 +133,12 @@ def summary_text(info: TensorInfo) -> str:
 
 def tensor_panel(info: TensorInfo, rank: int, scale: Scale, label: str = "") -> go.Figure:
     """One rank's panel as a plotly figure."""
-    title = info.header(rank, label)
+    heading = info.header(rank, label)
     kind = info.kind
     layout: dict[str, Any] = {
         "width": 280,
-        "height": 260,
-        "margin": {"l": 40, "r": 10, "t": 50, "b": 30},
+        "height": 280,
+        "margin": {"l": 40, "r": 10, "t": 84, "b": 30},
     }
     if kind == "empty":
         fig = go.Figure(layout=layout)
@@ -175,10 +175,11 @@ def tensor_panel(info: TensorInfo, rank: int, scale: Scale, label: str = "") -> 
         if kind == "heatmap" and a.size <= TEXT_NUMEL:
             heat.update(text=[[_fmt(v) for v in row] for row in a], texttemplate="%{text}")
         fig = go.Figure(heat, layout=layout)
-        fig.update_yaxes(autorange="reversed")
+        fig.update_yaxes(autorange="reversed", dtick=max(1, a.shape[0] // 8))
+        fig.update_xaxes(dtick=max(1, a.shape[1] // 8))
         if kind == "summary":
-            title += f"<br><sub>{summary_text(info)} (block means)</sub>"
-    fig.update_layout(title={"text": title, "font": {"size": 12}})
+            heading += f"<br><sub>{summary_text(info)} (block means)</sub>"
+    fig.update_layout(title=title(heading, layout["height"], below=52))
     return fig
 
 

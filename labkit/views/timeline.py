@@ -28,6 +28,7 @@ from labkit.views._common import (
     op_colour,
     oversubscription,
     records_from,
+    title,
     warning_html,
 )
 from labkit.views.bandwidth import algbw, busbw_factor
@@ -157,10 +158,10 @@ def timeline_figure(records: list[Record]) -> go.Figure:
     fig.update_layout(
         barmode="overlay",
         height=120 + 50 * len(ranks),
-        margin={"l": 60, "r": 10, "t": 40, "b": 40},
-        title={"text": "timeline (ms since the first record)", "font": {"size": 13}},
-        xaxis_title="ms",
-        legend={"orientation": "h", "y": -0.25},
+        margin={"l": 60, "r": 10, "t": 50, "b": 40},
+        title=title("timeline (ms since the first record)", 120 + 50 * len(ranks)),
+        xaxis_ticksuffix=" ms",
+        legend={"orientation": "h", "y": -0.2, "yanchor": "top"},
     )
     fig.update_yaxes(tickvals=ranks, ticktext=[f"rank {r}" for r in ranks], autorange="reversed")
     return fig
