@@ -7,7 +7,7 @@ import torch
 from test_views_fakes import FakeLab
 
 from labkit.views import TensorView, show_tensors
-from labkit.views.tensors import downsample, to_info
+from labkit.views.tensor_data import downsample, to_info
 
 pytestmark = pytest.mark.filterwarnings("error::labkit.views.ViewWarning")
 

@@ -13,122 +13,26 @@ from __future__ import annotations
 
 import html
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import ipywidgets as widgets
-import numpy as np
 import plotly.graph_objects as go
 
 from labkit.views._common import View, html_table, is_lab, title
+from labkit.views.tensor_data import (
+    HTML_SIDE,
+    TEXT_NUMEL,
+    Scale,
+    TensorInfo,
+    as_2d,
+    downsample,
+    fmt_value,
+    shared_scale,
+    summary_text,
+    to_info,
+)
 
 __all__ = ["TensorView", "show_tensors", "tensor_panel"]
-
-MAX_SIDE = 32  # heatmaps up to 32x32 are drawn cell by cell
-MAX_NUMEL = 1024  # beyond this a tensor is summarised
-TEXT_NUMEL = 100  # values are written in cells up to this many elements
-HTML_SIDE = 16  # static HTML shows at most 16x16 values
-
-
-@dataclass
-class Scale:
-    """One colour scale shared by every panel of a view."""
-
-    zmin: float
-    zmax: float
-    colorscale: str
-
-
-@dataclass
-class TensorInfo:
-    """A value made plottable: float64 array plus what the header says about the original."""
-
-    array: np.ndarray
-    shape: tuple[int, ...]
-    dtype: str
-    device: str
-
-    @property
-    def kind(self) -> str:
-        """'empty', 'bars', 'heatmap' or 'summary'."""
-        a = self.array
-        if a.size == 0:
-            return "empty"
-        if a.size > MAX_NUMEL or (a.ndim == 2 and max(a.shape) > MAX_SIDE):
-            return "summary"
-        return "bars" if a.ndim <= 1 else "heatmap"
-
-    def header(self, rank: int, label: str = "") -> str:
-        shape = "scalar" if not self.shape else str(tuple(self.shape))
-        prefix = f"{label} · " if label else ""
-        return f"{prefix}rank {rank} · {shape} {self.dtype} · {self.device}"
-
-
-def to_info(value: Any, device: str | None = None) -> TensorInfo:
-    """Convert a tensor, ndarray or number; raises ValueError for non-numeric values."""
-    dtype, dev = type(value).__name__, "cpu"
-    if hasattr(value, "detach") and hasattr(
-        value, "dtype"
-    ):  # a torch.Tensor, without importing torch
-        dtype, dev = str(value.dtype).removeprefix("torch."), str(value.device)
-        value = value.detach().cpu()
-        if value.is_complex():
-            value = value.abs()
-        value = value.double().numpy() if value.dtype.is_floating_point else value.numpy()
-    elif isinstance(value, np.ndarray):
-        dtype = str(value.dtype)
-    arr = np.asarray(value)
-    if arr.dtype.kind == "c":
-        arr = np.abs(arr)
-    if arr.dtype.kind not in "biuf":
-        raise ValueError(f"cannot draw a value of type {type(value).__name__} ({arr.dtype})")
-    return TensorInfo(arr.astype(np.float64), tuple(arr.shape), dtype, device or dev)
-
-
-def shared_scale(infos: Sequence[TensorInfo]) -> Scale:
-    """Min/max over every finite value of every panel; symmetric and diverging across zero."""
-    finite = [a[np.isfinite(a)] for a in (i.array.ravel() for i in infos)]
-    finite = [a for a in finite if a.size]
-    if not finite:
-        return Scale(0.0, 1.0, "Viridis")
-    lo = float(min(a.min() for a in finite))
-    hi = float(max(a.max() for a in finite))
-    if lo < 0 < hi:
-        m = max(-lo, hi)
-        return Scale(-m, m, "RdBu_r")
-    if lo == hi:
-        return Scale(lo - 0.5, hi + 0.5, "Viridis")
-    return Scale(lo, hi, "Viridis")
-
-
-def _fmt(v: float) -> str:
-    return f"{v:.0f}" if float(v).is_integer() and abs(v) < 1e6 else f"{v:.3g}"
-
-
-def _as_2d(a: np.ndarray) -> np.ndarray:
-    if a.ndim == 0:
-        return a.reshape(1, 1)
-    if a.ndim == 1:
-        return a.reshape(1, -1)
-    return a.reshape(-1, a.shape[-1])
-
-
-def downsample(a: np.ndarray, side: int = MAX_SIDE) -> np.ndarray:
-    """Block means of a 2-D array to at most side x side (blocks as even as np.array_split)."""
-    rows, cols = a.shape
-    r = np.array([c[0] for c in np.array_split(np.arange(rows), min(rows, side))])
-    c = np.array([c[0] for c in np.array_split(np.arange(cols), min(cols, side))])
-    sums = np.add.reduceat(np.add.reduceat(a, r, axis=0), c, axis=1)
-    counts = np.outer(np.diff(np.append(r, rows)), np.diff(np.append(c, cols)))
-    return sums / counts
-
-
-def summary_text(info: TensorInfo) -> str:
-    a = info.array
-    return (
-        f"min {_fmt(a.min())}  max {_fmt(a.max())}  mean {a.mean():.4g}  "
-        f"norm {np.linalg.norm(a.ravel()):.4g}"
-    )
 
 
 def tensor_panel(info: TensorInfo, rank: int, scale: Scale, label: str = "") -> go.Figure:
@@ -145,11 +49,12 @@ def tensor_panel(info: TensorInfo, rank: int, scale: Scale, label: str = "") -> 
         fig.add_annotation(text="empty tensor", showarrow=False)
     elif kind == "bars":
         a = info.array.ravel()
-        text = [_fmt(v) for v in a] if a.size <= 32 else None
+        text = [fmt_value(v) for v in a] if a.size <= 32 else None
         bar = go.Bar(
             x=list(range(a.size)),
             y=a,
             text=text,
+            textangle=0,
             name=f"rank {rank}",
             marker={
                 "color": a,
@@ -163,7 +68,7 @@ def tensor_panel(info: TensorInfo, rank: int, scale: Scale, label: str = "") -> 
         pad = 0.05 * (hi - lo or 1.0)
         fig.update_yaxes(range=[lo - pad, hi + pad])
     else:
-        a = _as_2d(info.array) if kind == "heatmap" else downsample(_as_2d(info.array))
+        a = as_2d(info.array) if kind == "heatmap" else downsample(as_2d(info.array))
         heat = go.Heatmap(
             z=a,
             zmin=scale.zmin,
@@ -173,7 +78,7 @@ def tensor_panel(info: TensorInfo, rank: int, scale: Scale, label: str = "") -> 
             showscale=False,
         )
         if kind == "heatmap" and a.size <= TEXT_NUMEL:
-            heat.update(text=[[_fmt(v) for v in row] for row in a], texttemplate="%{text}")
+            heat.update(text=[[fmt_value(v) for v in row] for row in a], texttemplate="%{text}")
         fig = go.Figure(heat, layout=layout)
         fig.update_yaxes(autorange="reversed", dtick=max(1, a.shape[0] // 8))
         fig.update_xaxes(dtick=max(1, a.shape[1] // 8))
@@ -251,12 +156,12 @@ def _static_table(info: TensorInfo, rank: int) -> str:
     if info.kind in ("summary", "empty") or info.array.size == 0:
         body = summary_text(info) if info.array.size else "empty"
         return f"<p><b>{html.escape(caption)}</b>: {html.escape(body)}</p>"
-    a = _as_2d(info.array)
+    a = as_2d(info.array)
     shown = a[:HTML_SIDE, :HTML_SIDE]
     if shown.shape != a.shape:
         caption += f" (first {shown.shape[0]}x{shown.shape[1]})"
     headers = [""] + [str(j) for j in range(shown.shape[1])]
-    rows = [[str(i)] + [_fmt(v) for v in row] for i, row in enumerate(shown)]
+    rows = [[str(i)] + [fmt_value(v) for v in row] for i, row in enumerate(shown)]
     return html_table(headers, rows, caption)
 
 
