@@ -108,3 +108,24 @@ def test_downsample_is_block_mean() -> None:
     a = torch.arange(16.0).reshape(4, 4).numpy()
     assert downsample(a, 2).tolist() == [[2.5, 4.5], [10.5, 12.5]]
     assert to_info(torch.tensor([True, False])).array.tolist() == [1.0, 0.0]
+
+
+def test_before_from_a_saved_pull_after_from_the_lab() -> None:
+    lab = FakeLab(2)
+    for r, ns in enumerate(lab.namespaces):
+        ns["x"] = torch.tensor([1.0, 2.0]) * (r + 1)
+    saved = lab.pull("x")
+    for ns in lab.namespaces:
+        ns["x"] = torch.tensor([3.0, 6.0])
+    view = show_tensors(lab, "x", before=saved)
+    assert [s[0] for s in view.states] == ["before", "after"]
+    assert [list(f.data[0].y) for f in view.figures] == [[1, 2], [2, 4], [3, 6], [3, 6]]
+    assert view.children[0].value == "<b>x</b>"  # the name is the default title
+
+
+def test_nd_tensor_rows_are_its_leading_dims() -> None:
+    view = show_tensors({0: torch.zeros(2, 3, 4)})
+    z = view.figures[0].data[0].z
+    assert (len(z), len(z[0])) == (6, 4) and "(2, 3, 4) float32" in view.figures[
+        0
+    ].layout.title.text
