@@ -1,0 +1,36 @@
+"""Views of a lab (kernel side): per-rank tensors, parameter placement, timeline, traffic.
+
+Every view takes a lab or plain data (tensors, placement rows, trace records), returns an
+ipywidgets container of plotly figures (`.figures`), and has `.to_html()`, a static fallback
+that needs no JavaScript and no network. Views never talk to ranks except through the lab's
+public `pull`, `run`, `trace` and `ranks_info`.
+"""
+
+from labkit.views._common import ViewWarning, human_bytes
+from labkit.views.bandwidth import algbw, busbw, busbw_factor
+from labkit.views.comm import CommView, op_summary, show_comm, traffic_matrix
+from labkit.views.placement import PlacementView, show_placement
+from labkit.views.placement_data import memory_by_rank, merge_placement
+from labkit.views.tensors import TensorView, show_tensors
+from labkit.views.timeline import TimelineView, show_timeline, timeline_summary
+
+__all__ = [
+    "CommView",
+    "PlacementView",
+    "TensorView",
+    "TimelineView",
+    "ViewWarning",
+    "algbw",
+    "busbw",
+    "busbw_factor",
+    "human_bytes",
+    "memory_by_rank",
+    "merge_placement",
+    "op_summary",
+    "show_comm",
+    "show_placement",
+    "show_tensors",
+    "show_timeline",
+    "timeline_summary",
+    "traffic_matrix",
+]

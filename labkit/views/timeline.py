@@ -1,0 +1,226 @@
+"""Per-rank timeline of compute spans and collectives (kernel side).
+
+`show_timeline(lab)` draws `lab.trace()`; `show_timeline(records)` draws a saved trace. Each rank
+is one row of a Gantt chart: compute spans (`labkit.span`) as wide blue bars, every
+`torch.distributed` call as a narrower bar coloured by op, and idle gaps as grey bars. Hovering a
+call shows op, seq, bytes, duration and bandwidth. Below it a table gives each rank's compute,
+communication and idle time over the common window [earliest start, latest end] of all ranks:
+
+    comm    = length of the union of the rank's comm intervals
+    compute = length of the union of its spans, less the time also inside a comm call
+    idle    = window - length of the union of everything it did
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+import ipywidgets as widgets
+import plotly.graph_objects as go
+
+from labkit.records import CommRecord, SpanRecord
+from labkit.views._common import (
+    IDLE_COLOUR,
+    Record,
+    View,
+    html_table,
+    op_colour,
+    oversubscription,
+    records_from,
+    title,
+    warning_html,
+)
+from labkit.views.bandwidth import algbw, busbw_factor
+
+__all__ = ["TimelineView", "show_timeline", "timeline_summary"]
+
+Interval = tuple[float, float]
+
+
+def union(intervals: Iterable[Interval]) -> list[Interval]:
+    """Sorted, merged, non-overlapping intervals."""
+    merged: list[list[float]] = []
+    for start, end in sorted(intervals):
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(a, b) for a, b in merged]
+
+
+def _length(intervals: Iterable[Interval]) -> float:
+    return sum(b - a for a, b in intervals)
+
+
+def _gaps(busy: list[Interval], window: Interval) -> list[Interval]:
+    gaps, cursor = [], window[0]
+    for start, end in busy:
+        if start > cursor:
+            gaps.append((cursor, start))
+        cursor = max(cursor, end)
+    if window[1] > cursor:
+        gaps.append((cursor, window[1]))
+    return gaps
+
+
+def timeline_summary(records: list[Record]) -> dict[int, dict[str, float]]:
+    """Per rank: seconds of compute, comm, idle and the window total, and their percentages."""
+    if not records:
+        return {}
+    window = (min(r.start for r in records), max(r.end for r in records))
+    total = window[1] - window[0]
+    out = {}
+    for rank in sorted({r.rank for r in records}):
+        mine = [r for r in records if r.rank == rank]
+        comm = union((r.start, r.end) for r in mine if isinstance(r, CommRecord))
+        busy = union((r.start, r.end) for r in mine)
+        row = {"comm": _length(comm), "total": total}
+        row["compute"] = _length(busy) - row["comm"]
+        row["idle"] = total - _length(busy)
+        for key in ("compute", "comm", "idle"):
+            row[f"{key}_pct"] = 100 * row[key] / total if total > 0 else 0.0
+        out[rank] = row
+    return out
+
+
+def _comm_trace(op: str, recs: list[CommRecord], t0: float) -> go.Bar:
+    custom = []
+    for r in recs:
+        bw = algbw(r.bytes, r.duration)
+        n = max(len(r.group), 1)
+        custom.append([r.seq, r.bytes, r.duration * 1e3, bw / 1e9, bw * busbw_factor(op, n) / 1e9])
+    return go.Bar(
+        orientation="h",
+        name=op,
+        y=[r.rank for r in recs],
+        base=[(r.start - t0) * 1e3 for r in recs],
+        x=[r.duration * 1e3 for r in recs],
+        width=0.5,
+        marker_color=op_colour(op),
+        customdata=custom,
+        hovertemplate=(
+            f"<b>{op}</b> #%{{customdata[0]}} rank %{{y}}<br>%{{customdata[1]:,}} bytes"
+            "<br>%{customdata[2]:.3f} ms<br>algbw %{customdata[3]:.3f} GB/s"
+            "<br>busbw %{customdata[4]:.3f} GB/s<extra></extra>"
+        ),
+    )
+
+
+def _span_trace(spans: list[SpanRecord], t0: float) -> go.Bar:
+    return go.Bar(
+        orientation="h",
+        name="compute",
+        y=[s.rank for s in spans],
+        base=[(s.start - t0) * 1e3 for s in spans],
+        x=[s.duration * 1e3 for s in spans],
+        width=0.8,
+        text=[s.name for s in spans],
+        textposition="inside",
+        marker_color=op_colour("compute"),
+        customdata=[[s.name, s.duration * 1e3] for s in spans],
+        hovertemplate="<b>%{customdata[0]}</b> rank %{y}<br>%{customdata[1]:.3f} ms<extra></extra>",
+    )
+
+
+def _idle_trace(records: list[Record], t0: float) -> go.Bar:
+    window = (t0, max(r.end for r in records))
+    ys, bases, widths = [], [], []
+    for rank in sorted({r.rank for r in records}):
+        busy = union((r.start, r.end) for r in records if r.rank == rank)
+        for a, b in _gaps(busy, window):
+            ys.append(rank)
+            bases.append((a - t0) * 1e3)
+            widths.append((b - a) * 1e3)
+    return go.Bar(
+        orientation="h",
+        name="idle",
+        y=ys,
+        base=bases,
+        x=widths,
+        width=0.3,
+        marker_color=IDLE_COLOUR,
+        hovertemplate="idle rank %{y}<br>%{x:.3f} ms<extra></extra>",
+    )
+
+
+def timeline_figure(records: list[Record]) -> go.Figure:
+    """The Gantt chart: one trace for compute, one per op, one for idle gaps."""
+    t0 = min(r.start for r in records)
+    spans = [r for r in records if isinstance(r, SpanRecord)]
+    comms = [r for r in records if isinstance(r, CommRecord)]
+    traces = [_span_trace(spans, t0)] if spans else []
+    for op in sorted({r.op for r in comms}):
+        traces.append(_comm_trace(op, [r for r in comms if r.op == op], t0))
+    traces.append(_idle_trace(records, t0))
+    ranks = sorted({r.rank for r in records})
+    fig = go.Figure(traces)
+    fig.update_layout(
+        barmode="overlay",
+        height=120 + 50 * len(ranks),
+        margin={"l": 60, "r": 10, "t": 50, "b": 40},
+        title=title("timeline (ms since the first record)", 120 + 50 * len(ranks)),
+        xaxis_ticksuffix=" ms",
+        legend={"orientation": "h", "y": -0.2, "yanchor": "top"},
+    )
+    fig.update_yaxes(tickvals=ranks, ticktext=[f"rank {r}" for r in ranks], autorange="reversed")
+    return fig
+
+
+def _summary_rows(summary: dict[int, dict[str, float]]) -> list[list[str]]:
+    return [
+        [str(rank)]
+        + [f"{row[k] * 1e3:.3f} ms ({row[k + '_pct']:.0f}%)" for k in ("compute", "comm", "idle")]
+        for rank, row in summary.items()
+    ]
+
+
+class TimelineView(View):
+    """The widget `show_timeline` returns; `summary` holds `timeline_summary(records)`."""
+
+    HEADERS = ("rank", "compute", "communication", "idle")
+
+    def __init__(self, records: list[Record], warning: str | None) -> None:
+        super().__init__()
+        self.records = records
+        self.warning = warning
+        self.summary = timeline_summary(records)
+        children: list[widgets.Widget] = []
+        if warning:
+            children.append(widgets.HTML(warning_html(warning)))
+        if records:
+            children.append(self.add_figure(timeline_figure(records)))
+            table = html_table(self.HEADERS, _summary_rows(self.summary), "time per rank")
+            children.append(widgets.HTML(table))
+        else:
+            children.append(widgets.HTML("<i>no trace records</i>"))
+        self.children = tuple(children)
+
+    def to_html(self) -> str:
+        parts = [warning_html(self.warning)] if self.warning else []
+        parts.append(html_table(self.HEADERS, _summary_rows(self.summary), "time per rank"))
+        calls = [
+            [r.rank, r.op, r.seq, r.bytes, f"{r.duration * 1e3:.3f} ms"]
+            for r in self.records
+            if isinstance(r, CommRecord)
+        ]
+        if calls:
+            parts.append(html_table(("rank", "op", "seq", "bytes", "duration"), calls, "calls"))
+        return "<div class='labkit-timeline'>" + "".join(parts) + "</div>"
+
+
+def show_timeline(
+    lab_or_records: Any, cell: int | None = None, *, num_cpus: int | None = None
+) -> TimelineView:
+    """Per-rank Gantt chart of a trace plus a compute/comm/idle table (kernel side).
+
+    `lab_or_records` is a lab (its `trace(cell)` is drawn) or a list of CommRecord/SpanRecord
+    (or their dicts; `cell` filters them). A warning line says when ranks outnumber CPU cores
+    (`num_cpus`, or the lab's `ranks_info()`).
+    """
+    records, lab = records_from(lab_or_records, cell)
+    ranks = {r.rank for r in records}
+    if lab is not None:
+        ranks |= set(range(getattr(lab, "world_size", 0)))
+    warning = oversubscription(ranks, lab, num_cpus)
+    return TimelineView(records, warning)
