@@ -23,6 +23,10 @@ __all__ = [
     "RankResult",
     "current",
     "span",
+    "show_tensors",
+    "show_placement",
+    "show_timeline",
+    "show_comm",
     "load_ipython_extension",
     "prewarm",
     "__version__",
@@ -37,6 +41,10 @@ _LAZY = {
     "Results": "labkit.results",
     "RankResult": "labkit.results",
     "span": "labkit.trace",
+    "show_tensors": "labkit.views",
+    "show_placement": "labkit.views",
+    "show_timeline": "labkit.views",
+    "show_comm": "labkit.views",
 }
 
 

@@ -21,7 +21,7 @@ class CommRecord:
     seq: int  # 1-based sequence number of this call on its group, per rank
     group: tuple[int, ...]  # global ranks of the group the call ran on
     peer: int | None = None  # p2p peer, or src/dst of a rooted collective (global rank)
-    bytes: int = 0  # bytes of the tensors this rank passed in (see labkit.trace)
+    bytes: int = 0  # S as nccl-tests defines it: the buffer; all_gather: the gathered output
     dtype: str = ""
     shape: tuple[int, ...] = ()
     start: float = 0.0  # issue time (kernel clock, seconds)

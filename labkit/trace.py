@@ -38,8 +38,8 @@ OPS: dict[str, tuple[str | None, str | None]] = {
     "gather": ("tensor", "dst"),
     "reduce": ("tensor", "dst"),
     "all_reduce": ("tensor", None),
-    "all_gather": ("tensor", None),
-    "all_gather_into_tensor": ("input_tensor", None),
+    "all_gather": ("tensor_list", None),  # bytes: the whole gathered buffer, as nccl-tests
+    "all_gather_into_tensor": ("output_tensor", None),
     "reduce_scatter": ("input_list", None),
     "reduce_scatter_tensor": ("input", None),
     "all_to_all": ("input_tensor_list", None),
