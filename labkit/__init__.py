@@ -27,6 +27,7 @@ __all__ = [
     "show_placement",
     "show_timeline",
     "show_comm",
+    "auto_split",
     "load_ipython_extension",
     "prewarm",
     "__version__",
@@ -45,6 +46,7 @@ _LAZY = {
     "show_placement": "labkit.views",
     "show_timeline": "labkit.views",
     "show_comm": "labkit.views",
+    "auto_split": "labkit.parallel.auto_split",
 }
 
 

@@ -51,8 +51,10 @@ def ensure_chromium() -> None:
         sh("apt-get", "update", "-qq", env=env)
         sh("apt-get", "install", "-y", "-qq", "chromium", env=env)
     else:
-        print("chromium not found and cannot install it here: the browser test will skip",
-              file=sys.stderr)
+        print(
+            "chromium not found and cannot install it here: the browser test will skip",
+            file=sys.stderr,
+        )
 
 
 def main() -> int:

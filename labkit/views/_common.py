@@ -125,7 +125,10 @@ def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: s
         for row in rows
     )
     style = "border-collapse:collapse;margin:4px 0"
-    return f"<table class='labkit' style='{style}'>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return (
+        f"<table class='labkit' style='{style}'>{cap}<thead><tr>{head}</tr></thead>"
+        f"<tbody>{body}</tbody></table>"
+    )
 
 
 def warning_html(text: str) -> str:
