@@ -39,7 +39,8 @@ class Solution:
         return self.code
 
     def _repr_html_(self) -> str:
-        return f"<details open><summary>solution</summary><pre>{html.escape(self.code)}</pre></details>"
+        code = html.escape(self.code)
+        return f"<details open><summary>solution</summary><pre>{code}</pre></details>"
 
 
 def right(message: str = "matches the reference") -> Verdict:
