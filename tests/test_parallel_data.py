@@ -70,8 +70,7 @@ def test_global_batch_must_divide_by_world_size():
 # ---------------------------------------------------------------- gradient averaging
 
 
-def _avg_grads_rank(rank: int, world_size: int) -> dict:
-    torch.set_num_threads(1)  # 2 ranks on 2 shared cores: no intra-op threads
+def _avg_grads(rank: int, world_size: int) -> dict:
     X, y = load_digits()
     idx = torch.arange(96)  # global batch; rank r takes rows r::world_size
     model = data.make_mlp(seed=rank)  # deliberately different, then fixed by the broadcast
@@ -91,9 +90,27 @@ def _avg_grads_rank(rank: int, world_size: int) -> dict:
     }
 
 
+MAX_NORM = 0.05
+
+
+def _gradient_rank(rank: int, world_size: int) -> dict:
+    # One spawn for all gradient checks: starting ranks costs more than the checks themselves.
+    torch.set_num_threads(1)  # ranks outnumber the 2 shared cores: no intra-op threads
+    return {
+        "avg": _avg_grads(rank, world_size),
+        "clip": _clip(rank, world_size, MAX_NORM),
+        "accumulate": _accumulate(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def gradient_results() -> list[dict]:
+    return run_ranks(_gradient_rank, 3)
+
+
 @pytest.mark.timeout(120)
-def test_averaged_gradients_equal_one_process_on_whole_batch():
-    results = run_ranks(_avg_grads_rank, 3)
+def test_averaged_gradients_equal_one_process_on_whole_batch(gradient_results):
+    results = [r["avg"] for r in gradient_results]
     for r in results:
         assert r["same_weights"]  # broadcast_parameters copied rank 0's init
         assert r["diff"] < 1e-6
@@ -104,7 +121,7 @@ def test_averaged_gradients_equal_one_process_on_whole_batch():
 
 
 def _train_rank(rank: int, world_size: int) -> dict:
-    torch.set_num_threads(1)  # 2 ranks on 2 shared cores: no intra-op threads
+    torch.set_num_threads(1)  # ranks outnumber the 2 shared cores: no intra-op threads
     X, y = load_digits()
     kw = {"epochs": 1, "global_batch": 64, "lr": 0.5, "seed": 3}
     out: dict = {}
@@ -186,10 +203,9 @@ def test_train_sync_sgd_rejects_unknown_mistake():
 # ---------------------------------------------------------------- clipping, accumulation
 
 
-def _clip_rank(rank: int, world_size: int, max_norm: float) -> dict:
-    torch.set_num_threads(1)  # 2 ranks on 2 shared cores: no intra-op threads
+def _clip(rank: int, world_size: int, max_norm: float) -> dict:
     X, y = load_digits()
-    idx = torch.arange(128)
+    idx = torch.arange(120)  # divisible by 2 and 3: equal shards
     mine = idx[rank::world_size]
     # Reference: one process, whole batch, torch's own clip.
     ref = data.make_mlp(seed=1)
@@ -228,10 +244,9 @@ def _clip_rank(rank: int, world_size: int, max_norm: float) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_global_clipping_equals_single_process_and_local_does_not():
-    max_norm = 0.05
-    for r in run_ranks(_clip_rank, 2, max_norm):
-        assert r["ref_norm"] > max_norm  # the clip is active
+def test_global_clipping_equals_single_process_and_local_does_not(gradient_results):
+    for r in (r["clip"] for r in gradient_results):
+        assert r["ref_norm"] > MAX_NORM  # the clip is active
         assert r["global"]["norm"] == pytest.approx(r["ref_norm"], rel=1e-5)
         assert r["global"]["diff"] < 1e-6
         assert r["local"]["norm"] < r["ref_norm"] - 1e-4
@@ -239,8 +254,7 @@ def test_global_clipping_equals_single_process_and_local_does_not():
         assert r["before_avg"] > 1e-4
 
 
-def _accumulate_rank(rank: int, world_size: int) -> dict:
-    torch.set_num_threads(1)  # 2 ranks on 2 shared cores: no intra-op threads
+def _accumulate(rank: int, world_size: int) -> dict:
     X, y = load_digits()
     k, micro = 3, 8
     model = data.make_mlp(seed=5)
@@ -254,7 +268,7 @@ def _accumulate_rank(rank: int, world_size: int) -> dict:
         return dist.all_reduce(buf, async_op=True).get_future().then(lambda f: f.value()[0])
 
     ddp.register_comm_hook(None, counting_allreduce)
-    # Global batch: 3 micro-steps x 2 ranks x 8 samples; rank r's micro-step j is one slice.
+    # Global batch: 3 micro-steps x W ranks x 8 samples; rank r's micro-step j is one slice.
     starts = [(j * world_size + rank) * micro for j in range(k)]
     mbs = [(X[s : s + micro], y[s : s + micro]) for s in starts]
     data.accumulate_gradients(ddp, mbs)
@@ -268,8 +282,8 @@ def _accumulate_rank(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_no_sync_accumulation_equals_large_batch():
-    for r in run_ranks(_accumulate_rank, 2):
+def test_no_sync_accumulation_equals_large_batch(gradient_results):
+    for r in (r["accumulate"] for r in gradient_results):
         assert r["diff"] < 1e-6
         assert r["calls"] == 1  # 3 micro-batches, one all_reduce (the model fits one bucket)
 
