@@ -49,6 +49,8 @@ def test_partition_and_batches_reject_bad_arguments():
         partition(100, 4, 4, seed=0)
     with pytest.raises(ValueError, match="world_size"):
         partition(100, 0, 0, seed=0)
+    with pytest.raises(ValueError, match="n must be >= 10 for equal=False"):
+        partition(9, 4, 0, seed=0, equal=False)
     with pytest.raises(ValueError, match=r"batch_size must be in \[1, 10\]"):
         batches(torch.arange(10), 11, seed=0, epoch=0)
 
@@ -293,3 +295,23 @@ def test_accumulate_rejects_plain_module_and_empty_list():
         data.accumulate_gradients(data.make_mlp(0), [])
     with pytest.raises(ValueError, match="DistributedDataParallel"):
         data.accumulate_gradients(data.make_mlp(0), [(torch.zeros(1, 64), torch.zeros(1).long())])
+
+
+def test_rank_side_modules_import_no_notebook_packages():
+    # Ranks must never pull in IPython, ipywidgets or plotly (DESIGN.md: layers import down).
+    import ast
+    from pathlib import Path
+
+    import labkit.parallel
+
+    names = ("data", "datasets", "zero", "async_sgd", "checkpoint")
+    for name in names:
+        path = Path(labkit.parallel.__file__).parent / f"{name}.py"
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                roots = {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {(node.module or "").split(".")[0]}
+            else:
+                continue
+            assert not roots & {"IPython", "ipywidgets", "plotly"}, (name, roots)

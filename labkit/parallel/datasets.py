@@ -50,6 +50,8 @@ def shard_sizes(n: int, world_size: int, equal: bool = True) -> list[int]:
     if equal:
         return [n // world_size] * world_size
     total = world_size * (world_size + 1) // 2
+    if n < total:
+        raise ValueError(f"n must be >= {total} for equal=False on {world_size} ranks, got {n}")
     bounds = [round(n * (k * (k + 1) // 2) / total) for k in range(world_size + 1)]
     return [bounds[r + 1] - bounds[r] for r in range(world_size)]
 
