@@ -78,6 +78,8 @@ class Zero1Optimizer:
     a multiple of N); rank r owns slice r and its inner optimizer (`optimizer_cls`, e.g.
     torch.optim.Adam) sees only that slice. Use like an optimizer: backward, `step()`,
     `zero_grad()`. Gradients need not be averaged first: `step()` reduce-scatters them.
+    Not a torch.optim.Optimizer (LR schedulers do not attach to it); stage 2 would also free
+    the full gradients after the reduce_scatter, stage 3 the weights outside forward/backward.
     """
 
     def __init__(
