@@ -1,0 +1,207 @@
+"""Exercises of the collectives notebooks, 10 to 15 (kernel side).
+
+Checkers that take a function run it on every rank with `lab.run(fn)` (the function gets the
+rank's namespace entries it names, e.g. `rank`, `world_size`) and compare what each rank returns
+with a reference computed here. A cell the lab had to stop (a deadlock, a hang) counts as wrong,
+with the lab's diagnosis as the reason; the ranks are then fresh.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from labkit.exercises import Verdict, reveal, right, wrong
+from labkit.results import LabError
+
+__all__ = [
+    "check_all_reduce_by_parts",
+    "check_alpha_beta",
+    "check_even_odd_sums",
+    "check_owner_chunk",
+    "check_pair_swap",
+    "check_pair_sum",
+    "solution_all_reduce_by_parts",
+    "solution_alpha_beta",
+    "solution_even_odd_sums",
+    "solution_owner_chunk",
+    "solution_pair_swap",
+    "solution_pair_sum",
+]
+
+
+def _run_and_compare(lab: Any, fn: Callable[..., Any], expected: dict[int, Any]) -> Verdict:
+    """Run fn on every rank; right when each rank returns a tensor equal to expected[rank]."""
+    try:
+        results = lab.run(fn)
+    except LabError as err:
+        return wrong(f"the cell could not finish: {str(err).splitlines()[0]}")
+    if results.errors:
+        r = min(results.errors)
+        return wrong(f"rank {r} raised {results.errors[r]['type']}: {results.errors[r]['message']}")
+    for r, value in sorted(results.values_by_rank.items()):
+        want = expected[r]
+        if not isinstance(value, torch.Tensor):
+            return wrong(f"rank {r} returned {type(value).__name__}, expected a tensor")
+        if value.shape != want.shape or not torch.allclose(value.float(), want.float()):
+            return wrong(f"rank {r} returned {value.tolist()}, expected {want.tolist()}")
+    return right(f"all {len(expected)} ranks hold the expected tensors")
+
+
+# -- 10: subgroups ----------------------------------------------------------------------------
+def check_even_odd_sums(lab: Any, fn: Callable[..., Any]) -> Verdict:
+    """`fn(rank, world_size)` returns `torch.tensor([float(rank)])` summed over the ranks of the
+    same parity (even ranks with even ranks, odd with odd)."""
+    n = lab.world_size
+    expected = {r: torch.tensor([float(sum(q for q in range(r % 2, n, 2)))]) for r in range(n)}
+    return _run_and_compare(lab, fn, expected)
+
+
+def solution_even_odd_sums() -> Any:
+    return reveal("""
+def even_odd_sums(rank, world_size, device):
+    evens = dist.new_group(list(range(0, world_size, 2)))  # every rank creates every group
+    odds = dist.new_group(list(range(1, world_size, 2)))
+    t = torch.tensor([float(rank)], device=device)
+    dist.all_reduce(t, group=evens if rank % 2 == 0 else odds)
+    return t
+""")
+
+
+# -- 11: point-to-point -----------------------------------------------------------------------
+def check_pair_swap(lab: Any, fn: Callable[..., Any]) -> Verdict:
+    """`fn(rank)` swaps `torch.full((4,), float(rank))` with its partner `rank ^ 1` and returns
+    what it received, without deadlocking (the lab stops a deadlock and this says wrong)."""
+    n = lab.world_size
+    if n % 2:
+        return wrong(f"this exercise needs an even number of ranks, the lab has {n}")
+    return _run_and_compare(lab, fn, {r: torch.full((4,), float(r ^ 1)) for r in range(n)})
+
+
+def solution_pair_swap() -> Any:
+    return reveal("""
+def pair_swap(rank, device):
+    mine = torch.full((4,), float(rank), device=device)
+    theirs = torch.empty(4, device=device)
+    peer = rank ^ 1
+    if rank % 2 == 0:          # even ranks send first, odd ranks receive first
+        dist.send(mine, dst=peer)
+        dist.recv(theirs, src=peer)
+    else:
+        dist.recv(theirs, src=peer)
+        dist.send(mine, dst=peer)
+    return theirs
+# or, in any order (under labkit, P2POp needs torch's own isend/irecv from distributed_c10d):
+#   c10d = dist.distributed_c10d
+#   for work in dist.batch_isend_irecv([dist.P2POp(c10d.isend, mine, peer),
+#                                       dist.P2POp(c10d.irecv, theirs, peer)]):
+#       work.wait()
+""")
+
+
+# -- 12: collectives --------------------------------------------------------------------------
+def check_all_reduce_by_parts(lab: Any, fn: Callable[..., Any]) -> Verdict:
+    """`fn(rank, world_size)` returns the all_reduce SUM of `torch.arange(4. * world_size) + rank`
+    computed with reduce_scatter then all_gather, and no all_reduce."""
+    n = lab.world_size
+    total = sum(torch.arange(4.0 * n) + r for r in range(n))
+    verdict = _run_and_compare(lab, fn, {r: total for r in range(n)})
+    if not verdict:
+        return verdict
+    ops = {rec.op for rec in lab.trace()}
+    if "all_reduce" in ops:
+        return wrong("right numbers, but it called all_reduce: build it from the two halves")
+    if not ops & {"reduce_scatter", "reduce_scatter_tensor"} or not ops & {
+        "all_gather",
+        "all_gather_into_tensor",
+    }:
+        return wrong(f"right numbers, but it called {sorted(ops)}, not reduce_scatter+all_gather")
+    return right("reduce_scatter then all_gather equals all_reduce on every rank")
+
+
+def solution_all_reduce_by_parts() -> Any:
+    return reveal("""
+def all_reduce_by_parts(rank, world_size, device):
+    x = torch.arange(4. * world_size, device=device) + rank
+    mine = torch.empty(4, device=device)
+    dist.reduce_scatter(mine, list(x.chunk(world_size)))   # rank r: the sum of chunk r
+    parts = [torch.empty(4, device=device) for _ in range(world_size)]
+    dist.all_gather(parts, mine)                           # everyone: every summed chunk
+    return torch.cat(parts)
+""")
+
+
+# -- 13: ring all-reduce ----------------------------------------------------------------------
+def check_owner_chunk(fn: Callable[[int, int], int]) -> Verdict:
+    """`fn(i, p)`: the chunk that ring position i holds fully reduced after the reduce-scatter
+    phase (labkit's ring: position i sends chunk (i - s) mod p at step s). Pure; no ranks."""
+    from labkit.parallel.ring import ring_schedule
+
+    for p in range(2, 9):
+        held = [[{i} for _ in range(p)] for i in range(p)]
+        for _phase, plan in ring_schedule(p)[: p - 1]:
+            sent = [set(held[i][plan[i][0]]) for i in range(p)]
+            for i in range(p):
+                held[i][plan[i][1]] |= sent[(i - 1) % p]
+        for i in range(p):
+            want = next(c for c in range(p) if held[i][c] == set(range(p)))
+            try:
+                got = fn(i, p)
+            except Exception as exc:  # noqa: BLE001 - a learner's bug is a verdict
+                return wrong(f"fn({i}, {p}) raised {type(exc).__name__}: {exc}")
+            if got != want:
+                return wrong(f"fn({i}, {p}) = {got!r}, but position {i} owns chunk {want}")
+    return right("matches the schedule for p = 2..8")
+
+
+def solution_owner_chunk() -> Any:
+    return reveal("""
+def owner_chunk(i, p):
+    return (i + 1) % p   # the last chunk it received: (i - (p-2) - 1) mod p
+""")
+
+
+# -- 14: measuring ----------------------------------------------------------------------------
+def check_alpha_beta(fn: Callable[[float, float, float, int], float]) -> Verdict:
+    """`fn(alpha, beta, nbytes, p)`: the alpha-beta time of a ring all_reduce,
+    2(p-1)·alpha + 2(p-1)/p·nbytes·beta (REFERENCES.md). Pure; no ranks."""
+    for alpha, beta, n, p in [(1e-4, 1e-9, 4096, 4), (5e-5, 2e-10, 2**24, 8), (1e-3, 0.0, 1, 2)]:
+        want = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta
+        try:
+            got = float(fn(alpha, beta, n, p))
+        except Exception as exc:  # noqa: BLE001 - a learner's bug is a verdict
+            return wrong(f"fn raised {type(exc).__name__}: {exc}")
+        if abs(got - want) > 1e-9 * max(1.0, abs(want)) + 1e-15:
+            return wrong(f"fn({alpha}, {beta}, {n}, {p}) = {got:.4g} s, expected {want:.4g} s")
+    return right("2(p-1)·alpha + 2(p-1)/p·n·beta")
+
+
+def solution_alpha_beta() -> Any:
+    return reveal("""
+def ring_time(alpha, beta, nbytes, p):
+    return 2 * (p - 1) * alpha + 2 * (p - 1) / p * nbytes * beta
+""")
+
+
+# -- 15: when things go wrong -----------------------------------------------------------------
+def check_pair_sum(lab: Any, fn: Callable[..., Any]) -> Verdict:
+    """`fn(rank)` runs on every rank: ranks 0 and 2 return the sum of their
+    `torch.tensor([rank + 1.])`; the other ranks return theirs unchanged."""
+    n = lab.world_size
+    if n < 3:
+        return wrong(f"this exercise needs at least 3 ranks, the lab has {n}")
+    expected = {r: torch.tensor([4.0 if r in (0, 2) else r + 1.0]) for r in range(n)}
+    return _run_and_compare(lab, fn, expected)
+
+
+def solution_pair_sum() -> Any:
+    return reveal("""
+def pair_sum(rank, device):
+    pair = dist.new_group([0, 2])      # called on every rank, even those outside the group
+    t = torch.tensor([rank + 1.], device=device)
+    if rank in (0, 2):
+        dist.all_reduce(t, group=pair)  # only the group's members wait for each other
+    return t
+""")
