@@ -165,8 +165,9 @@ def train_sync_sgd(
     (each rank picks its own shard). Per step: forward/backward on b = global_batch / W local
     samples, `average_gradients`, optimizer step. The model is first broadcast from rank 0.
     `mistake` (one of MISTAKES) breaks one assumption; see `MISTAKES` for what each does.
-    Each record (also passed to `on_step`) holds rank, epoch, step, and the loss and accuracy
-    over the global batch (one small extra all_reduce per step).
+    Each record (also passed to `on_step`) holds rank, epoch, step, the loss and accuracy over
+    the global batch (one small extra all_reduce per step), and local_loss and local_accuracy
+    over this rank's own b samples (they differ from rank to rank).
     """
     if mistake not in MISTAKES:
         raise ValueError(f"mistake must be one of {MISTAKES}, got {mistake!r}")
@@ -209,12 +210,15 @@ def train_sync_sgd(
             )
             dist.all_reduce(stats)
             step += 1
+            local_correct = (logits.argmax(1) == y[idx]).sum().item()
             record = {
                 "rank": rank,
                 "epoch": epoch,
                 "step": step,
                 "loss": (stats[0] / stats[2]).item(),
                 "accuracy": (stats[1] / stats[2]).item(),
+                "local_loss": loss.item(),
+                "local_accuracy": local_correct / len(idx),
             }
             history.append(record)
             if on_step is not None:
