@@ -202,7 +202,7 @@ def check_clip_global(lab: Any, fn: Callable[[list[Any], float], Any]) -> Verdic
             if not diff < TOL:
                 return wrong(
                     f"rank {r}'s piece {i} differs from one-process clipping by {diff:.3g} "
-                    "(clipped by its local norm?)"
+                    "(not clipped, or clipped by a local norm?)"
                 )
     return right("the clipped pieces equal clip_grad_norm_ on the whole gradient")
 
