@@ -11,6 +11,8 @@ replicas that start from the same weights and apply the same update stay bit-ide
 training equals one process on the whole batch (to float rounding, ~1e-6). `train_sync_sgd`
 does this with plain collectives; its `mistake` argument breaks one assumption at a time.
 
+BatchNorm must normalise with the statistics of the global batch (`sync_batch_norm`), or each
+replica normalises by its own b samples.
 Clipping must use the norm of the whole gradient, sqrt(sum_r ||g_r||^2) when each rank holds a
 disjoint piece of it; DDP's `no_sync()` skips the all_reduce while gradients accumulate.
 """
@@ -41,6 +43,7 @@ __all__ = [
     "param_checksums",
     "replica_report",
     "step_batches",
+    "sync_batch_norm",
     "train_reference",
     "train_sync_sgd",
 ]
@@ -165,8 +168,9 @@ def train_sync_sgd(
     (each rank picks its own shard). Per step: forward/backward on b = global_batch / W local
     samples, `average_gradients`, optimizer step. The model is first broadcast from rank 0.
     `mistake` (one of MISTAKES) breaks one assumption; see `MISTAKES` for what each does.
-    Each record (also passed to `on_step`) holds rank, epoch, step, and the loss and accuracy
-    over the global batch (one small extra all_reduce per step).
+    Each record (also passed to `on_step`) holds rank, epoch, step, the loss and accuracy over
+    the global batch (one small extra all_reduce per step), and local_loss and local_accuracy
+    over this rank's own b samples (they differ from rank to rank).
     """
     if mistake not in MISTAKES:
         raise ValueError(f"mistake must be one of {MISTAKES}, got {mistake!r}")
@@ -209,12 +213,15 @@ def train_sync_sgd(
             )
             dist.all_reduce(stats)
             step += 1
+            local_correct = (logits.argmax(1) == y[idx]).sum().item()
             record = {
                 "rank": rank,
                 "epoch": epoch,
                 "step": step,
                 "loss": (stats[0] / stats[2]).item(),
                 "accuracy": (stats[1] / stats[2]).item(),
+                "local_loss": loss.item(),
+                "local_accuracy": local_correct / len(idx),
             }
             history.append(record)
             if on_step is not None:
@@ -401,3 +408,48 @@ def accumulate_gradients(
             loss.backward()
         total += loss.item()
     return total
+
+
+class _AllReduceSum(torch.autograd.Function):
+    """y = sum_r x_r on every rank; backward: dL/dx_r = sum_s dL_s/dy (also an all_reduce)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+def sync_batch_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    """Batch norm of x (N_r, C) with the mean and variance of the global batch (training mode).
+
+    Runs on every rank; every rank must call it (three all_reduces forward, three backward).
+    mean = sum_r sum_i x / N, var = sum_r sum_i (x - mean)^2 / N (biased, as BatchNorm uses to
+    normalise), N = sum_r N_r. Equals torch.nn.BatchNorm1d on the concatenated batch in one
+    process, gradients included (the all_reduces are differentiable). What nn.SyncBatchNorm
+    computes, written out so it also runs on CPU ranks (torch's needs a GPU); no running stats.
+    """
+    if x.dim() != 2:
+        raise ValueError(f"x must be 2-D (batch, channels), got shape {tuple(x.shape)}")
+    count = _AllReduceSum.apply(torch.tensor([float(x.shape[0])], dtype=x.dtype), group)
+    mean = _AllReduceSum.apply(x.sum(0), group) / count
+    var = _AllReduceSum.apply((x - mean).pow(2).sum(0), group) / count
+    out = (x - mean) / torch.sqrt(var + eps)
+    if weight is not None:
+        out = out * weight
+    if bias is not None:
+        out = out + bias
+    return out
