@@ -1,0 +1,231 @@
+"""Exercises of the model-parallel notebooks 30-34 (kernel side).
+
+Each checker compares a learner's answer with labkit's reference implementation and returns a
+`Verdict`; `solution_*()` shows an answer on request. Checkers that need ranks take the lab and
+run the answer there with `lab.run`.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+from labkit.exercises import Verdict, reveal, right, wrong
+from labkit.parallel.auto_split import LayerCost, partition_optimal
+from labkit.parallel.pipeline import stage_order
+
+__all__ = [
+    "CATEGORIES",
+    "check_best_split",
+    "check_grid_groups",
+    "check_one_f_one_b",
+    "check_row_parallel",
+    "check_what_is_it",
+    "solution_best_split",
+    "solution_grid_groups",
+    "solution_one_f_one_b",
+    "solution_row_parallel",
+    "solution_what_is_it",
+]
+
+
+def _raised(exc: BaseException) -> Verdict:
+    return wrong(f"raised {type(exc).__name__}: {exc}")
+
+
+# ------------------------------------------------------------------ 30: groups of a 2-D grid
+
+
+def check_grid_groups(fn: Callable[[int, int, int], Any]) -> Verdict:
+    """`fn(rank, dp_size, mp_size)` -> (dp_ranks, mp_ranks): the global ranks of the two groups
+    `rank` belongs to when r = dp_rank * mp_size + mp_rank (replicas hold consecutive ranks)."""
+    for dp, mp in ((2, 2), (2, 3), (3, 2), (1, 4), (4, 1)):
+        for rank in range(dp * mp):
+            d, m = divmod(rank, mp)
+            want = ([k * mp + m for k in range(dp)], [d * mp + k for k in range(mp)])
+            try:
+                got = fn(rank, dp, mp)
+                got = (sorted(got[0]), sorted(got[1]))
+            except Exception as exc:  # noqa: BLE001 - a learner's error is a verdict
+                return _raised(exc)
+            if got != want:
+                return wrong(
+                    f"rank {rank} of a {dp} x {mp} grid: got dp={got[0]}, mp={got[1]}; "
+                    f"expected dp={want[0]}, mp={want[1]}"
+                )
+    return right("groups match on 2x2, 2x3, 3x2, 1x4 and 4x1 grids")
+
+
+def solution_grid_groups() -> Any:
+    return reveal("""
+def grid_groups_of(rank, dp_size, mp_size):
+    dp_rank, mp_rank = divmod(rank, mp_size)
+    dp_ranks = [d * mp_size + mp_rank for d in range(dp_size)]   # same stage, every replica
+    mp_ranks = [dp_rank * mp_size + m for m in range(mp_size)]   # one replica, every stage
+    return dp_ranks, mp_ranks
+""")
+
+
+# ------------------------------------------------------------------ 31: the 1F1B order
+
+
+def check_one_f_one_b(fn: Callable[[int, int, int], Any]) -> Verdict:
+    """`fn(num_stages, num_microbatches, stage)` -> the 1F1B order of that stage, as a list of
+    ("F" | "B", microbatch)."""
+    for p in range(1, 5):
+        for m in range(1, 7):
+            for s in range(p):
+                want = stage_order(p, m, s, "1f1b")
+                try:
+                    got = [(str(k), int(j)) for k, j in fn(p, m, s)]
+                except Exception as exc:  # noqa: BLE001
+                    return _raised(exc)
+                if got != want:
+                    return wrong(f"p={p}, m={m}, stage {s}: got {got}, expected {want}")
+    return right("1F1B orders match for p <= 4 and m <= 6")
+
+
+def solution_one_f_one_b() -> Any:
+    return reveal("""
+def one_f_one_b(num_stages, num_microbatches, stage):
+    warmup = min(num_stages - stage - 1, num_microbatches)
+    order = [("F", j) for j in range(warmup)]
+    for i in range(num_microbatches - warmup):          # steady state: one F, one B
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", j) for j in range(num_microbatches - warmup, num_microbatches)]
+""")
+
+
+# ------------------------------------------------------------------ 32: a row-parallel linear
+
+
+def check_row_parallel(lab: Any, fn: Callable[..., Any]) -> Verdict:
+    """`fn(x, weight, bias, rank, world_size)` runs on every rank with the full x [8, 16] and
+    the dense weight [12, 16]; it must compute with its slice of the input features only and
+    return the full output F.linear(x, weight, bias), using exactly one all_reduce."""
+
+    def task(rank: int, world_size: int) -> float:
+        import torch
+        import torch.nn.functional as F
+
+        g = torch.Generator().manual_seed(0)
+        x, w, b = (torch.randn(*s, generator=g) for s in ((8, 16), (12, 16), (12,)))
+        out = fn(x, w, b, rank, world_size)
+        return float((out - F.linear(x, w, b)).abs().max())
+
+    results = lab.run(task, display=False)
+    if results.errors:
+        r = min(results.errors)
+        return wrong(f"rank {r} raised {results.errors[r]['type']}: {results.errors[r]['message']}")
+    for r, err in sorted(results.values_by_rank.items()):
+        if not err <= 1e-5:
+            return wrong(f"rank {r}: largest difference from the dense layer is {err:.3g}")
+    counts: dict[int, int] = {r: 0 for r in range(lab.world_size)}
+    for rec in lab.trace():
+        if getattr(rec, "op", None) == "all_reduce":
+            counts[rec.rank] += 1
+    if any(n != 1 for n in counts.values()):
+        return wrong(f"all_reduce calls per rank: {counts}; a row-parallel layer needs exactly 1")
+    return right("equal to the dense layer on every rank, with one all_reduce")
+
+
+def solution_row_parallel() -> Any:
+    return reveal("""
+def row_parallel(x, weight, bias, rank, world_size):
+    n = weight.shape[1] // world_size                  # input features per rank
+    cols = slice(rank * n, (rank + 1) * n)
+    partial = x[:, cols] @ weight[:, cols].T           # X_i A_i
+    dist.all_reduce(partial)                           # sum_i X_i A_i
+    return partial + bias                              # the bias once, after the sum
+""")
+
+
+# ------------------------------------------------------------------ 33: the exact split
+
+
+def _cases() -> list[list[float]]:
+    rng = random.Random(0)
+    cases = [[1.0] * 8, [5.0, 1, 1, 1, 1, 1, 1, 5], [1, 2, 3, 4, 5, 6, 7, 8.0]]
+    cases += [[rng.uniform(0.1, 3.0) for _ in range(rng.randint(4, 12))] for _ in range(20)]
+    return cases
+
+
+def check_best_split(fn: Callable[[list[float], int], Any]) -> Verdict:
+    """`fn(times, stages)` -> boundaries [0, b_1, ..., len(times)] whose slowest stage is as
+    small as any contiguous split can make it."""
+    for times in _cases():
+        for p in range(1, min(len(times), 4) + 1):
+            costs = [LayerCost(i, str(i), t) for i, t in enumerate(times)]
+            best = partition_optimal(costs, p).bottleneck
+            try:
+                bounds = [int(b) for b in fn(list(times), p)]
+            except Exception as exc:  # noqa: BLE001
+                return _raised(exc)
+            ok = len(bounds) == p + 1 and bounds[0] == 0 and bounds[-1] == len(times)
+            if not ok or any(a >= b for a, b in zip(bounds, bounds[1:])):
+                return wrong(
+                    f"times={times}, stages={p}: boundaries must be {p + 1} increasing ints "
+                    f"from 0 to {len(times)}, got {bounds}"
+                )
+            got = max(sum(times[a:b]) for a, b in zip(bounds, bounds[1:]))
+            if got > best + 1e-9:
+                return wrong(
+                    f"times={[round(t, 2) for t in times]}, stages={p}: your slowest stage "
+                    f"costs {got:.4f}, the optimum is {best:.4f}"
+                )
+    return right("optimal on every test case")
+
+
+def solution_best_split() -> Any:
+    return reveal("""
+def best_split(times, stages):
+    n, prefix = len(times), [0.0]
+    for t in times:
+        prefix.append(prefix[-1] + t)
+    inf = float("inf")
+    best = [[inf] * (n + 1) for _ in range(stages + 1)]   # best[k][j]: k stages, j layers
+    cut = [[0] * (n + 1) for _ in range(stages + 1)]
+    best[0][0] = 0.0
+    for k in range(1, stages + 1):
+        for j in range(k, n + 1):
+            for i in range(k - 1, j):
+                value = max(best[k - 1][i], prefix[j] - prefix[i])
+                if value < best[k][j]:
+                    best[k][j], cut[k][j] = value, i
+    bounds = [n]
+    for k in range(stages, 0, -1):
+        bounds.append(cut[k][bounds[-1]])
+    return bounds[::-1]
+""")
+
+
+# ------------------------------------------------------------------ 34: names and what they do
+
+CATEGORIES = ("mixed precision", "data parallelism", "model parallelism")
+_WHAT = {
+    "torch.autocast": "mixed precision",
+    "torch.amp.GradScaler": "mixed precision",
+    "DistributedDataParallel": "data parallelism",
+    "labkit.auto_split": "model parallelism",
+    "torch.distributed.pipelining": "model parallelism",
+    "ColwiseParallel": "model parallelism",
+}
+
+
+def check_what_is_it(answers: dict[str, str]) -> Verdict:
+    """`answers` maps each name in the exercise to one of CATEGORIES."""
+    missing = sorted(set(_WHAT) - set(answers))
+    if missing:
+        return wrong(f"no answer for {missing}")
+    for name, want in _WHAT.items():
+        got = str(answers[name]).strip().lower()
+        if got not in CATEGORIES:
+            return wrong(f"{name}: answer one of {CATEGORIES}, got {answers[name]!r}")
+        if got != want:
+            return wrong(f"{name} is not {got}")
+    return right("every name in its place")
+
+
+def solution_what_is_it() -> Any:
+    return reveal("\n".join(f"{k!r}: {v!r}," for k, v in _WHAT.items()))
