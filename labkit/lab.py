@@ -46,11 +46,15 @@ from labkit.results import CellState, LabError, RankResult, RemoteError, Results
 from labkit.watchdog import diagnose
 
 START_TIMEOUT = 120.0
+MAX_SHOWN = 1 << 20  # characters of output shown per rank per cell; the log keeps everything
 STOP_GRACE = 2.0  # seconds ranks get to stop after SIGINT before they are restarted
 _COLLECTIVE = re.compile(
     r"\b(all_reduce|all_gather\w*|reduce_scatter\w*|all_to_all\w*|broadcast|barrier|reduce|"
     r"scatter|gather)\s*\("
 )
+
+# lines of a crash report that say nothing to a learner (labkit's and Python's own frames)
+_NOISE = re.compile(r"labkit[/\\](worker|forkserver)\.py|<frozen runpy>|^Extension modules:")
 
 _current: Lab | None = None
 _labs: weakref.WeakSet[Lab] = weakref.WeakSet()
@@ -123,6 +127,7 @@ class Lab:
         self.info: dict[int, dict[str, Any]] = {}
         self.offsets: dict[int, float] = {}
         self.dead: dict[int, int] = {}
+        self.routes: dict[int, bytes] = {}  # rank -> ZeroMQ routing id of its ctrl socket
         self.choice: Choice | None = None
         self.server: spawn.ForkServer | None = None
         self.closed = False
@@ -130,6 +135,8 @@ class Lab:
         self._seen_seq: dict[int, int] = {}
         self._outputs: dict[int, list[str]] = {}
         self._line_start: dict[int, bool] = {}
+        self._shown: dict[int, int] = {}  # characters shown per rank in this cell
+        self.max_shown = MAX_SHOWN
         self._lock = threading.RLock()
         self._io = threading.Thread(target=self._io_loop, name="labkit-io", daemon=True)
         self._io.start()
@@ -239,17 +246,21 @@ class Lab:
             "master_addr": "127.0.0.1",
             "pg_timeout": self.pg_timeout,
         }
-        for r in range(n):
-            self.server.spawn(dict(base, rank=r, local_rank=r))
-        self.pids = self.server.wait_pids(self.gen, list(range(n)))
         deadline = time.monotonic() + START_TIMEOUT
         try:
+            for r in range(n):
+                self.server.spawn(dict(base, rank=r, local_rank=r))
+            self.pids = self.server.wait_pids(self.gen, list(range(n)))
             hellos = self._pump(set(range(n)), "hello", deadline=deadline)
             self.info = {r: dict(h, backend=self.choice.backend) for r, h in hellos.items()}
             self._send(range(n), {"type": "init", "port": hellos[0]["port"]})
             self._pump(set(range(n)), "ready", deadline=deadline)
             self._measure_offsets()
         except BaseException:
+            try:  # ranks forked but not yet reported must be killed too
+                self.server.wait_pids(self.gen, list(range(n)), timeout=2.0)
+            except (RuntimeError, KeyboardInterrupt):
+                pass
             self._kill_ranks()
             raise
 
@@ -264,6 +275,10 @@ class Lab:
 
     def _kill_ranks(self) -> None:
         pids = list(self.pids.values())
+        if self.server is not None:  # also ranks forked before an interrupted start-up
+            with self.server.cond:
+                pids += [p for (g, _), p in self.server.spawned.items() if g == self.gen]
+            pids = sorted(set(pids))
         self.pids = {}
         if self.server is not None and pids:
             self.server.signal(pids, signal.SIGKILL)
@@ -323,7 +338,8 @@ class Lab:
     def _send(self, ranks: Iterable[int], msg: dict[str, Any]) -> None:
         frames = self.codec.encode(msg)
         for r in ranks:
-            self.ctrl.send_multipart([f"r{r}".encode(), *frames], copy=False)
+            ident = self.routes.get(r) or f"r{r}".encode()
+            self.ctrl.send_multipart([ident, *frames], copy=False)
 
     def _pump(
         self,
@@ -350,8 +366,13 @@ class Lab:
                             f"labkit rejected a message: {exc}", LabkitWarning, stacklevel=2
                         )
                         continue
+                    except Exception as exc:  # noqa: BLE001 - signed, but the kernel cannot unpickle it
+                        msg = self._undecodable(frames[0].bytes, exc, expect, msg_id)
+                        if msg is None:
+                            continue
                     if msg.get("gen") != self.gen:
                         continue
+                    self.routes[msg["rank"]] = frames[0].bytes
                     if msg["type"] == "fatal":
                         err = msg["error"]
                         raise LabError(
@@ -373,6 +394,35 @@ class Lab:
                 watch(pending)
         return replies
 
+    def _undecodable(
+        self, ident: bytes, exc: Exception, expect: str, msg_id: int | None
+    ) -> dict[str, Any] | None:
+        """A genuine reply whose value the kernel cannot rebuild: report it, do not hang."""
+        rank = next((r for r, i in self.routes.items() if i == ident), None)
+        if rank is None or expect != "done":
+            return None
+        return {
+            "type": "done",
+            "id": msg_id,
+            "rank": rank,
+            "gen": self.gen,
+            "error": None,
+            "value_error": f"the value could not be rebuilt in the kernel: "
+            f"{type(exc).__name__}: {exc}",
+        }
+
+    def log_tail(self, rank: int, lines: int = 12) -> str:
+        """The last lines of a rank's log (what it printed last, even if it crashed)."""
+        path = os.path.join(self.log_dir, f"rank-{rank}.log")
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 16384))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        keep = [line for line in text.splitlines(True) if not _NOISE.search(line)]
+        return "".join(keep[-lines:])
+
     def _drain_events(self, pending: set[int]) -> None:
         while self.events:
             kind, *rest = self.events.popleft()
@@ -385,7 +435,12 @@ class Lab:
                     if code < 0
                     else f"exited with code {code}"
                 )
-                raise _Stuck(f"rank {rank} died ({how})")
+                text = f"rank {rank} died ({how})"
+                tail = self.log_tail(rank)
+                if tail:
+                    last = "".join(f"  | {line}" for line in tail.splitlines(True))
+                    text += f"; its last output (all of it: %lab logs {rank}):\n{last.rstrip()}"
+                raise _Stuck(text)
             elif kind == "rejected":
                 warnings.warn(f"labkit rejected a message: {rest[0]}", LabkitWarning, stacklevel=3)
 
@@ -394,8 +449,21 @@ class Lab:
 
         rank, text = msg["rank"], msg["text"]
         self._seen_seq[rank] = msg["seq"]
-        self._outputs.setdefault(rank, []).append(text)
         out = sys.stderr if msg["name"] == "stderr" else sys.stdout
+        shown = self._shown.get(rank, 0)
+        self._shown[rank] = shown + len(text)
+        if shown >= self.max_shown:
+            return
+        if (
+            shown + len(text) > self.max_shown
+        ):  # a flood: show the first part, say where the rest is
+            text = text[: self.max_shown - shown]
+            text += (
+                f"{'' if text.endswith(chr(10)) else chr(10)}... output truncated after "
+                f"{self.max_shown >> 10} KiB; the full output is in `%lab logs {rank}`\n"
+            )
+            self._line_start[rank] = True
+        self._outputs.setdefault(rank, []).append(text)
         pieces = re.split(r"(?<=[\n\r])", text)
         tagged = []
         for piece in pieces:
@@ -484,6 +552,7 @@ class Lab:
     ) -> Results:
         self._outputs = {r: [] for r in targets}
         self._line_start = {}
+        self._shown = {}
         replies: dict[int, dict[str, Any]] = {}
         live = LiveStatus(targets)
         started = time.monotonic()
