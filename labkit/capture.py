@@ -23,6 +23,7 @@ from typing import BinaryIO
 
 MARKER = b"\x1e\x1flabkit-flush\x1f\x1e"
 CHUNK = 64 * 1024
+LOG_HEADER = "----- labkit "  # starts the line a rank writes to its log when it starts
 QUIET = 0.05  # seconds before a partial line is forwarded
 
 
@@ -101,6 +102,7 @@ class Capture:
         send: Callable[[str, str], None],
         log_path: str | None = None,
         read_fds: list[int] | None = None,
+        header: str = "",
     ):
         """`read_fds`: read ends of pipes already on fds 1 and 2 (made by the fork server)."""
         self.log = None
@@ -108,6 +110,8 @@ class Capture:
             self.log = os.fdopen(
                 os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab"
             )
+            self.log.write(f"{LOG_HEADER}{header} -----\n".encode())
+            self.log.flush()
         self.readers: list[_Reader] = []
         for i, (fd, name) in enumerate(((1, "stdout"), (2, "stderr"))):
             if read_fds:

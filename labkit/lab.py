@@ -38,6 +38,7 @@ from typing import Any
 import zmq
 
 from labkit import spawn
+from labkit.capture import LOG_HEADER
 from labkit.live import LiveStatus
 from labkit.policy import BACKENDS, DEVICES, Choice, check_world_size, choose
 from labkit.protocol import AuthenticationError, Codec, new_key
@@ -71,7 +72,11 @@ class LabkitWarning(UserWarning):
 
 
 class _Stuck(Exception):
-    """The cell cannot finish; the message says why."""
+    """The cell cannot finish; the message says why (`died`: a rank whose death is the cause)."""
+
+    def __init__(self, reason: str, died: int | None = None):
+        super().__init__(reason)
+        self.died = died
 
 
 def current() -> Lab:
@@ -420,8 +425,9 @@ class Lab:
                 text = f.read().decode(errors="replace")
         except OSError:
             return ""
-        keep = [line for line in text.splitlines(True) if not _NOISE.search(line)]
-        return "".join(keep[-lines:])
+        text = text[text.rfind(LOG_HEADER) :]  # only this process's output
+        keep = [line for line in text.splitlines(True)[1:] if not _NOISE.search(line)]
+        return "".join(keep[-lines:]).rstrip()
 
     def _drain_events(self, pending: set[int]) -> None:
         while self.events:
@@ -440,7 +446,7 @@ class Lab:
                 if tail:
                     last = "".join(f"  | {line}" for line in tail.splitlines(True))
                     text += f"; its last output (all of it: %lab logs {rank}):\n{last.rstrip()}"
-                raise _Stuck(text)
+                raise _Stuck(text, died=rank)
             elif kind == "rejected":
                 warnings.warn(f"labkit rejected a message: {rest[0]}", LabkitWarning, stacklevel=3)
 
@@ -587,7 +593,7 @@ class Lab:
         except _Stuck as stuck:
             if deadline is not None and time.monotonic() > deadline:
                 stuck = _Stuck(f"the cell ran past its timeout of {timeout} s ({stuck})")
-            self._recover(str(stuck), replies, started)
+            self._recover(str(stuck), replies, started, died=stuck.died)
         finally:
             live.close()
         self._catch_up_streams(replies)
@@ -641,15 +647,26 @@ class Lab:
                 states.append(CellState(r, "is not running this cell"))
         return states
 
-    def _recover(self, reason: str, replies: dict[int, dict[str, Any]], started: float) -> None:
+    def _recover(
+        self,
+        reason: str,
+        replies: dict[int, dict[str, Any]],
+        started: float,
+        died: int | None = None,
+    ) -> None:
         t0 = time.monotonic()
         self.restart()
+        errors = {r: m["error"] for r, m in replies.items() if m.get("error")}
+        if errors and died is not None:  # the death is the root cause; the peers' errors follow
+            reason += f"\nbecause rank {died} died, " + "; ".join(
+                f"rank {r} raised {e['type']}: {(e['message'].splitlines() or [''])[0][:160]}"
+                for r, e in sorted(errors.items())
+            )
         note = (
             f"{reason}\nlabkit stopped the cell after {t0 - started:.1f} s and restarted the "
             f"ranks in {time.monotonic() - t0:.2f} s: variables on the ranks were lost."
         )
-        errors = {r: m["error"] for r, m in replies.items() if m.get("error")}
-        if errors:
+        if errors and died is None:
             raise RemoteError(errors, note)
         raise LabError(note)
 

@@ -103,7 +103,9 @@ class Rank:
             os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         log_dir = cfg.get("log_dir")
         log = os.path.join(log_dir, f"rank-{self.rank}.log") if log_dir else None
-        self.capture = Capture(self.stream, log, cfg.get("capture_fds"))
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        header = f"rank {self.rank} pid {os.getpid()} generation {self.gen} started {started}"
+        self.capture = Capture(self.stream, log, cfg.get("capture_fds"), header)
         faulthandler.enable(
             all_threads=False
         )  # a segfault leaves its Python traceback in the output and log
