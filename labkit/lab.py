@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -48,6 +49,7 @@ from labkit.watchdog import diagnose
 
 START_TIMEOUT = 120.0
 MAX_SHOWN = 1 << 20  # characters of output shown per rank per cell; the log keeps everything
+HEARTBEAT_LOST = 10.0  # seconds of silence after which an attached rank counts as gone
 STOP_GRACE = 2.0  # seconds ranks get to stop after SIGINT before they are restarted
 _COLLECTIVE = re.compile(
     r"\b(all_reduce|all_gather\w*|reduce_scatter\w*|all_to_all\w*|broadcast|barrier|reduce|"
@@ -102,6 +104,7 @@ class Lab:
         pg_timeout: float = 1800,
         log_dir: str | None = None,
         start: bool = True,
+        _listen: tuple[str, int] | None = None,
     ):
         if world_size is not None:
             check_world_size(world_size)
@@ -117,6 +120,11 @@ class Lab:
         self.codec = Codec(new_key())
         self.ctx = zmq.Context()
         self.sock_dir = tempfile.mkdtemp(prefix="labkit-")  # 0700: only this user gets in
+        self.listen = _listen  # (host, port): ranks attach over TCP (see Lab.attach)
+        self.attached = _listen is not None
+        self.broken: str | None = None  # why an attached lab cannot run cells any more
+        self._side_out: deque[tuple[int, dict[str, Any]]] = deque()
+        self._side_routes: dict[int, bytes] = {}
         self.ctrl = self._bind("ctrl")
         self.side = self._bind("side")
         self.wake_r, self.wake_w = os.pipe()
@@ -157,8 +165,12 @@ class Lab:
     def _bind(self, name: str) -> zmq.Socket:
         """A ROUTER on a Unix socket in a private directory (faster than TCP loopback)."""
         sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
         sock.setsockopt(zmq.LINGER, 0)
+        if self.listen is not None:  # attached ranks: TCP on the address the user chose
+            host, port = self.listen
+            sock.bind(f"tcp://{host}:{port if name == 'ctrl' else 0}")
+            return sock
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
         sock.bind(f"ipc://{os.path.join(self.sock_dir, name)}")
         return sock
 
@@ -175,7 +187,11 @@ class Lab:
     def _io_loop(self) -> None:
         while not self.closed:
             try:
-                if not self.side.poll(200):
+                while self._side_out:  # Stop for attached ranks (they cannot be signalled)
+                    rank, out = self._side_out.popleft()
+                    if rank in self._side_routes:
+                        self.side.send_multipart([self._side_routes[rank], *self.codec.encode(out)])
+                if not self.side.poll(50 if self.attached else 200):
                     continue
                 frames = self.side.recv_multipart(copy=False)
             except zmq.ZMQError:
@@ -188,11 +204,23 @@ class Lab:
                 continue
             if msg.get("gen") != self.gen:
                 continue
+            self._side_routes[msg["rank"]] = frames[0].bytes
+            if msg["type"] == "stream" and self.attached:  # their logs are on other machines
+                self._log_attached(msg)
             if msg["type"] == "status":
                 msg["received"] = time.monotonic()
                 self.status[msg["rank"]] = msg
             elif msg["type"] == "stream":
                 self._post("stream", msg)
+
+    def _log_attached(self, msg: dict[str, Any]) -> None:
+        path = os.path.join(self.log_dir, f"rank-{msg['rank']}.log")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            with os.fdopen(fd, "ab") as f:
+                f.write(msg["text"].encode(errors="replace"))
+        except OSError:
+            pass
 
     def _on_exit(self, pid: int, rank: int | None, code: int) -> None:
         if rank is not None and self.pids.get(rank) == pid:
@@ -226,6 +254,112 @@ class Lab:
             world_size, backend, device = self.requested
             self.choice = choose(world_size, backend, device, facts)
             self._spawn_ranks()
+            global _current
+            _current = self
+            return self
+
+    @classmethod
+    def attach(
+        cls,
+        world_size: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        key_file: str | None = None,
+        *,
+        nnodes: int = 1,
+        backend: str = "auto",
+        device: str = "auto",
+        timeout: float | None = None,
+        pg_timeout: float = 1800,
+        log_dir: str | None = None,
+        wait: bool = True,
+        attach_timeout: float = 600,
+    ) -> Lab:
+        """A lab whose ranks are started by torchrun (on this or other machines). Kernel side.
+
+        Binds a TCP endpoint on `host` (loopback by default: pass the address other nodes
+        reach, or "0.0.0.0", to take ranks from a cluster), writes the lab's key to `key_file`
+        (mode 600; by default in a private temporary directory) and prints the torchrun command
+        to run. With `wait`, returns once all `world_size` ranks attached and formed their
+        process group; else call `lab.wait_attached()` later.
+        """
+        from labkit import attach
+
+        check_world_size(world_size)
+        lab = cls(
+            world_size,
+            backend=backend,
+            device=device,
+            timeout=timeout,
+            pg_timeout=pg_timeout,
+            log_dir=log_dir,
+            start=False,
+            _listen=(host, port),
+        )
+        try:
+            lab.key_file = attach.write_key_file(
+                key_file or os.path.join(lab.sock_dir, "lab.key"), lab.codec.key
+            )
+            bound = lab._endpoint(lab.ctrl).rsplit(":", 1)[1]
+            shown = socket.gethostname() if host in ("0.0.0.0", "::", "*") else host
+            lab.endpoint = f"{shown}:{bound}"
+            lab.command = attach.torchrun_command(world_size, lab.endpoint, lab.key_file, nnodes)
+            print(f"waiting for {world_size} ranks; start them with:\n  {lab.command}", flush=True)
+            if wait:
+                lab.wait_attached(attach_timeout)
+        except BaseException:
+            lab.stop()
+            raise
+        return lab
+
+    def wait_attached(self, timeout: float = 600) -> Lab:
+        """Wait for torchrun's ranks to attach and form their process group (kernel side)."""
+        with self._lock:
+            n = self.requested[0]
+            assert self.attached and n is not None
+            self.gen = 1
+            deadline = time.monotonic() + timeout
+            try:
+                attaches = self._pump(set(range(n)), "attach", deadline=deadline)
+            except _Stuck:
+                raise LabError(
+                    f"only {len(self.routes)} of {n} ranks attached in {timeout:.0f} s; start "
+                    f"them with:\n  {self.command}\n(torchrun's nnodes x nproc-per-node must "
+                    f"be {n})"
+                ) from None
+            bad = {r: h["world_size"] for r, h in attaches.items() if h["world_size"] != n}
+            if bad:
+                raise LabError(f"torchrun started WORLD_SIZE={bad.popitem()[1]}, the lab wants {n}")
+            welcome = {
+                "type": "welcome",
+                "gen": self.gen,
+                "side": "tcp://HOST:" + self._endpoint(self.side).rsplit(":", 1)[1],
+                "backend": self.requested[1],
+                "device": self.requested[2],
+                "pg_timeout": self.pg_timeout,
+            }
+            self._send(range(n), welcome)
+            self.routes.clear()  # each rank now signs in again from its serving socket
+            hellos = self._pump(set(range(n)), "hello", deadline=deadline)
+            self.pids = {r: h["pid"] for r, h in hellos.items()}
+            self._send(range(n), {"type": "init", "port": None})
+            self._pump(set(range(n)), "ready", deadline=deadline)
+            gpus = max(h.get("gpus", 0) for h in attaches.values())
+            devices = {h["device"].split(":")[0] for h in hellos.values()}
+            hosts = sorted({h["host"] for h in hellos.values()})
+            device = "cuda" if "cuda" in devices else "cpu"
+            backend = self.requested[1]
+            if backend == "auto":
+                backend = "nccl" if device == "cuda" else "gloo"
+            self.choice = Choice(
+                n,
+                backend,
+                device,
+                gpus,
+                f"{backend} on {device}: {n} ranks attached from torchrun on {', '.join(hosts)}",
+            )
+            self.info = {r: dict(h, backend=backend) for r, h in hellos.items()}
+            self._measure_offsets()
             global _current
             _current = self
             return self
@@ -291,6 +425,12 @@ class Lab:
 
     def restart(self, world_size: int | None = None) -> Lab:
         """Kill the ranks and fork new ones (variables on the ranks are lost). Kernel side."""
+        if self.attached:
+            raise LabError(
+                "this lab's ranks were started by torchrun, not by labkit, so labkit cannot "
+                "restart them: stop the torchrun job (Ctrl-C in its terminal, or scancel), "
+                "then call Lab.attach(...) again and start torchrun with the command it prints"
+            )
         with self._lock:
             if self.closed:
                 raise LabError("this lab was stopped; create a new one with labkit.Lab(n)")
@@ -311,6 +451,12 @@ class Lab:
             if self.closed:
                 return
             pids = list(self.pids.values())
+            if self.attached and pids:  # ask torchrun's ranks to leave; their job then ends
+                try:
+                    self._send(self.pids, {"type": "exit"})
+                    time.sleep(0.2)
+                except zmq.ZMQError:
+                    pass
             if self.server is not None and pids:
                 self.server.signal(pids, signal.SIGTERM)
                 if not self.server.wait_exited(pids, timeout=1.0):
@@ -499,6 +645,8 @@ class Lab:
     def _check_usable(self) -> None:
         if self.closed:
             raise LabError("this lab was stopped; create a new one with labkit.Lab(n)")
+        if self.broken:
+            raise LabError(self.broken)
         if not self.running:
             raise LabError("the lab's ranks are not running; call lab.start() or lab.restart()")
         if self.dead:
@@ -576,6 +724,15 @@ class Lab:
             reason = diagnose(blocked, set(pending), why_not)
             if reason:
                 raise _Stuck(reason)
+            if self.attached:  # no fork server reports their deaths: watch the heartbeats
+                now = time.monotonic()
+                for r in sorted(pending):
+                    seen = self.status.get(r, {}).get("received", started)
+                    if now - max(seen, started) > HEARTBEAT_LOST:
+                        raise _Stuck(
+                            f"rank {r} sent no heartbeat for {HEARTBEAT_LOST:.0f} s: its process "
+                            "may have died (see torchrun's output on its node)"
+                        )
 
         self._send(targets, msg)
         try:
@@ -608,8 +765,12 @@ class Lab:
     ) -> None:
         """Stop pressed: SIGINT the running ranks; if they do not stop, recover."""
         running = [r for r in targets if r not in replies]
-        assert self.server is not None
-        self.server.signal([self.pids[r] for r in running], signal.SIGINT)
+        if self.attached:
+            for r in running:
+                self._side_out.append((r, {"type": "interrupt", "cell": cell}))
+        else:
+            assert self.server is not None
+            self.server.signal([self.pids[r] for r in running], signal.SIGINT)
         try:
             self._pump(
                 set(running),
@@ -655,6 +816,16 @@ class Lab:
         died: int | None = None,
     ) -> None:
         t0 = time.monotonic()
+        if self.attached:  # torchrun's ranks: labkit can neither kill nor re-fork them
+            self.broken = (
+                f"{reason}\nThe ranks were started by torchrun, so labkit cannot restart them: "
+                "stop the torchrun job (Ctrl-C in its terminal, or scancel), call "
+                "Lab.attach(...) again and rerun the torchrun command it prints."
+            )
+            errors = {r: m["error"] for r, m in replies.items() if m.get("error")}
+            if errors:
+                raise RemoteError(errors, self.broken)
+            raise LabError(self.broken)
         self.restart()
         errors = {r: m["error"] for r, m in replies.items() if m.get("error")}
         if errors and died is not None:  # the death is the root cause; the peers' errors follow

@@ -62,10 +62,39 @@ class Rank:
 
     def _connect(self, endpoint: str, ident: bytes) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, ident)
+        if self.cfg.get("attached"):  # over TCP: the kernel routes by the id it saw sign in
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
+        else:
+            sock.setsockopt(zmq.IDENTITY, ident)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(endpoint)
         return sock
+
+    def _leave_when_kernel_goes(self) -> None:
+        """An attached rank has no parent in the lab: leave when the kernel's link drops."""
+        monitor = self.ctrl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+        def watch() -> None:
+            from zmq.utils.monitor import recv_monitor_message
+
+            recv_monitor_message(monitor)  # the link dropped (or its heartbeats timed out)
+            print(f"labkit rank {self.rank}: the lab's kernel is gone; leaving", file=sys.stderr)
+            time.sleep(0.2)  # let the capture thread log that line
+            os._exit(1)
+
+        threading.Thread(target=watch, name="labkit-kernel-link", daemon=True).start()
+
+    def _take_interrupts(self) -> None:
+        """Stop pressed for an attached rank arrives on `side` (labkit cannot signal it)."""
+        while self.side.poll(0):
+            try:
+                msg = self.codec.decode(self.side.recv_multipart(copy=False))
+            except Exception as exc:  # noqa: BLE001 - forged: log it, never unpickle
+                print(f"labkit rank {self.rank}: rejected a message: {exc}", file=sys.stderr)
+                continue
+            if msg.get("type") == "interrupt" and self.in_user_code:
+                os.kill(os.getpid(), signal.SIGINT)
 
     # -- sending ---------------------------------------------------------------------------
     def reply(self, msg: dict[str, Any]) -> None:
@@ -106,6 +135,8 @@ class Rank:
         started = time.strftime("%Y-%m-%d %H:%M:%S")
         header = f"rank {self.rank} pid {os.getpid()} generation {self.gen} started {started}"
         self.capture = Capture(self.stream, log, cfg.get("capture_fds"), header)
+        if cfg.get("attached"):
+            self._leave_when_kernel_goes()
         faulthandler.enable(
             all_threads=False
         )  # a segfault leaves its Python traceback in the output and log
@@ -237,6 +268,9 @@ class Rank:
             time.sleep(HEARTBEAT_BUSY if busy else HEARTBEAT_IDLE)
             if os.getppid() != parent:  # our parent died: the lab is gone
                 os._exit(1)
+            if self.cfg.get("attached"):
+                with self.side_lock:
+                    self._take_interrupts()
             status = {"type": "status", "busy": self.busy_cell, "time": time.time()}
             if self.busy_cell is not None:
                 status.update(line=self._running_line(), op=trace.current())
@@ -433,3 +467,9 @@ def run(cfg: dict[str, Any]) -> None:
             time.sleep(0.2)
         finally:
             os._exit(1)
+
+
+if __name__ == "__main__":  # torchrun ... -m labkit.worker --connect HOST:PORT --key-file F
+    from labkit.attach import main
+
+    main()
