@@ -120,6 +120,9 @@ def test_rank_dies_mid_collective(lab, how, code, match):
     assert match in str(info.value)
     assert "before-fault 2" in log_of(lab, 2)  # drained from its pipe after it died
     assert "before-fault 2" in str(info.value)  # and shown as its last output
+    from labkit.magics import read_log
+
+    assert "before-fault 2" in read_log(lab.log_dir, 2, lab.world_size, 50)  # %lab logs 2
     if how == "segfault":
         assert "<cell-" in str(info.value)  # the Python line that crashed
 
