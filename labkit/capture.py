@@ -23,6 +23,7 @@ from typing import BinaryIO
 
 MARKER = b"\x1e\x1flabkit-flush\x1f\x1e"
 CHUNK = 64 * 1024
+LOG_HEADER = "----- labkit "  # starts the line a rank writes to its log when it starts
 QUIET = 0.05  # seconds before a partial line is forwarded
 
 
@@ -81,7 +82,10 @@ class _Reader(threading.Thread):
             if not ready:
                 self._emit_pending()  # a partial line, quiet for a while: show it
                 continue
-            data = os.read(self.fd, CHUNK)
+            try:
+                data = os.read(self.fd, CHUNK)
+            except BlockingIOError:
+                continue
             if not data:
                 self._emit(self.pending)
                 return
@@ -93,13 +97,29 @@ class _Reader(threading.Thread):
 class Capture:
     """Replaces fds 1 and 2 of this process with pipes read by forwarding threads."""
 
-    def __init__(self, send: Callable[[str, str], None], log_path: str | None = None):
-        self.log = open(log_path, "ab") if log_path else None
+    def __init__(
+        self,
+        send: Callable[[str, str], None],
+        log_path: str | None = None,
+        read_fds: list[int] | None = None,
+        header: str = "",
+    ):
+        """`read_fds`: read ends of pipes already on fds 1 and 2 (made by the fork server)."""
+        self.log = None
+        if log_path:
+            self.log = os.fdopen(
+                os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600), "ab"
+            )
+            self.log.write(f"{LOG_HEADER}{header} -----\n".encode())
+            self.log.flush()
         self.readers: list[_Reader] = []
-        for fd, name in ((1, "stdout"), (2, "stderr")):
-            r, w = os.pipe()
-            os.dup2(w, fd)
-            os.close(w)
+        for i, (fd, name) in enumerate(((1, "stdout"), (2, "stderr"))):
+            if read_fds:
+                r = read_fds[i]  # non-blocking: the server shares it to drain after a crash
+            else:
+                r, w = os.pipe()
+                os.dup2(w, fd)
+                os.close(w)
             reader = _Reader(name, r, send, self.log)
             reader.start()
             self.readers.append(reader)

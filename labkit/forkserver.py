@@ -10,6 +10,11 @@ It talks to the kernel over its stdin/stdout pipes, one JSON object per line:
     server -> kernel: {"type": "hello", ...facts...}    {"type": "spawned", "rank": r, "pid": p}
                       {"type": "exited", "pid": p, "rank": r, "code": c, "signal": s}
 
+It creates each rank's stdout/stderr pipes before the fork and keeps a copy of their read ends:
+when a rank dies, whatever it wrote that its own reader thread had not yet consumed (the last
+lines before a segfault, `os._exit` or SIGKILL) is drained into the rank's log before the
+kernel hears of the exit, so output written before a fault is never lost.
+
 It only signals pids it forked and has not yet reaped, so a recycled pid is never hit. When the
 kernel dies (stdin closes, or the parent-death signal), it kills its ranks and leaves; each rank
 in turn dies with the server (parent-death signal and a heartbeat check of its parent pid).
@@ -24,6 +29,8 @@ import select
 import signal
 import sys
 from typing import Any
+
+from labkit.capture import MARKER
 
 PR_SET_PDEATHSIG = 1
 
@@ -60,6 +67,7 @@ def facts() -> dict[str, Any]:
 class Server:
     def __init__(self) -> None:
         self.children: dict[int, int] = {}  # pid -> rank
+        self.pipes: dict[int, tuple[list[int], str | None]] = {}  # pid -> (read fds, log path)
         self.out = os.fdopen(os.dup(1), "w", buffering=1)
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_w, False)
@@ -72,9 +80,22 @@ class Server:
 
     def spawn(self, cfg: dict[str, Any]) -> None:
         cfg["key"] = bytes.fromhex(cfg["key"])
+        pipes = [os.pipe(), os.pipe()]  # stdout, stderr: (read, write)
+        cfg["capture_fds"] = [r for r, _ in pipes]
         pid = os.fork()
         if pid == 0:
+            os.dup2(pipes[0][1], 1)
+            os.dup2(pipes[1][1], 2)
+            for _, w in pipes:
+                os.close(w)
             self._child(cfg)
+        for _, w in pipes:
+            os.close(w)
+        for r, _ in pipes:
+            os.set_blocking(r, False)
+        log_dir = cfg.get("log_dir")
+        log = os.path.join(log_dir, f"rank-{cfg['rank']}.log") if log_dir else None
+        self.pipes[pid] = ([r for r, _ in pipes], log)
         self.children[pid] = cfg["rank"]
         self.say({"type": "spawned", "rank": cfg["rank"], "pid": pid, "gen": cfg["gen"]})
 
@@ -88,8 +109,8 @@ class Server:
             die_with_parent(parent)
             devnull = os.open(os.devnull, os.O_RDONLY)
             os.dup2(devnull, 0)
-            os.dup2(devnull, 1)  # the rank replaces fds 1 and 2 with its own capture pipes
-            for fd in (devnull, self.wake_r, self.wake_w, self.out.fileno()):
+            others = [fd for fds, _ in self.pipes.values() for fd in fds]  # other ranks' pipes
+            for fd in (devnull, self.wake_r, self.wake_w, self.out.fileno(), *others):
                 os.close(fd)
             from labkit import worker
 
@@ -106,6 +127,7 @@ class Server:
             if pid == 0:
                 return
             rank = self.children.pop(pid, None)
+            self.drain(pid)
             self.say(
                 {
                     "type": "exited",
@@ -114,6 +136,28 @@ class Server:
                     "code": os.waitstatus_to_exitcode(status),
                 }
             )
+
+    def drain(self, pid: int) -> None:
+        """Append what a dead rank left unread in its pipes to its log, then close them."""
+        fds, log = self.pipes.pop(pid, ([], None))
+        for fd in fds:
+            data = b""
+            try:
+                while len(data) < (64 << 20):
+                    chunk = os.read(fd, 1 << 16)
+                    if not chunk:
+                        break
+                    data += chunk
+            except (BlockingIOError, OSError):  # empty (a grandchild may still hold it open)
+                pass
+            os.close(fd)
+            data = data.replace(MARKER, b"")
+            if data and log:
+                try:
+                    with open(log, "ab") as f:
+                        f.write(data)
+                except OSError:
+                    pass
 
     def kill(self, pids: list[int], sig: int) -> None:
         for pid in pids:

@@ -26,6 +26,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import tempfile
 import threading
 import time
@@ -38,6 +39,7 @@ from typing import Any
 import zmq
 
 from labkit import spawn
+from labkit.capture import LOG_HEADER
 from labkit.live import LiveStatus
 from labkit.policy import BACKENDS, DEVICES, Choice, check_world_size, choose
 from labkit.protocol import AuthenticationError, Codec, new_key
@@ -46,11 +48,16 @@ from labkit.results import CellState, LabError, RankResult, RemoteError, Results
 from labkit.watchdog import diagnose
 
 START_TIMEOUT = 120.0
+MAX_SHOWN = 1 << 20  # characters of output shown per rank per cell; the log keeps everything
+HEARTBEAT_LOST = 10.0  # seconds of silence after which an attached rank counts as gone
 STOP_GRACE = 2.0  # seconds ranks get to stop after SIGINT before they are restarted
 _COLLECTIVE = re.compile(
     r"\b(all_reduce|all_gather\w*|reduce_scatter\w*|all_to_all\w*|broadcast|barrier|reduce|"
     r"scatter|gather)\s*\("
 )
+
+# lines of a crash report that say nothing to a learner (labkit's and Python's own frames)
+_NOISE = re.compile(r"labkit[/\\](worker|forkserver)\.py|<frozen runpy>|^Extension modules:")
 
 _current: Lab | None = None
 _labs: weakref.WeakSet[Lab] = weakref.WeakSet()
@@ -67,7 +74,11 @@ class LabkitWarning(UserWarning):
 
 
 class _Stuck(Exception):
-    """The cell cannot finish; the message says why."""
+    """The cell cannot finish; the message says why (`died`: a rank whose death is the cause)."""
+
+    def __init__(self, reason: str, died: int | None = None):
+        super().__init__(reason)
+        self.died = died
 
 
 def current() -> Lab:
@@ -93,6 +104,7 @@ class Lab:
         pg_timeout: float = 1800,
         log_dir: str | None = None,
         start: bool = True,
+        _listen: tuple[str, int] | None = None,
     ):
         if world_size is not None:
             check_world_size(world_size)
@@ -108,6 +120,11 @@ class Lab:
         self.codec = Codec(new_key())
         self.ctx = zmq.Context()
         self.sock_dir = tempfile.mkdtemp(prefix="labkit-")  # 0700: only this user gets in
+        self.listen = _listen  # (host, port): ranks attach over TCP (see Lab.attach)
+        self.attached = _listen is not None
+        self.broken: str | None = None  # why an attached lab cannot run cells any more
+        self._side_out: deque[tuple[int, dict[str, Any]]] = deque()
+        self._side_routes: dict[int, bytes] = {}
         self.ctrl = self._bind("ctrl")
         self.side = self._bind("side")
         self.wake_r, self.wake_w = os.pipe()
@@ -123,6 +140,7 @@ class Lab:
         self.info: dict[int, dict[str, Any]] = {}
         self.offsets: dict[int, float] = {}
         self.dead: dict[int, int] = {}
+        self.routes: dict[int, bytes] = {}  # rank -> ZeroMQ routing id of its ctrl socket
         self.choice: Choice | None = None
         self.server: spawn.ForkServer | None = None
         self.closed = False
@@ -130,6 +148,8 @@ class Lab:
         self._seen_seq: dict[int, int] = {}
         self._outputs: dict[int, list[str]] = {}
         self._line_start: dict[int, bool] = {}
+        self._shown: dict[int, int] = {}  # characters shown per rank in this cell
+        self.max_shown = MAX_SHOWN
         self._lock = threading.RLock()
         self._io = threading.Thread(target=self._io_loop, name="labkit-io", daemon=True)
         self._io.start()
@@ -145,8 +165,12 @@ class Lab:
     def _bind(self, name: str) -> zmq.Socket:
         """A ROUTER on a Unix socket in a private directory (faster than TCP loopback)."""
         sock = self.ctx.socket(zmq.ROUTER)
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
         sock.setsockopt(zmq.LINGER, 0)
+        if self.listen is not None:  # attached ranks: TCP on the address the user chose
+            host, port = self.listen
+            sock.bind(f"tcp://{host}:{port if name == 'ctrl' else 0}")
+            return sock
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
         sock.bind(f"ipc://{os.path.join(self.sock_dir, name)}")
         return sock
 
@@ -163,7 +187,11 @@ class Lab:
     def _io_loop(self) -> None:
         while not self.closed:
             try:
-                if not self.side.poll(200):
+                while self._side_out:  # Stop for attached ranks (they cannot be signalled)
+                    rank, out = self._side_out.popleft()
+                    if rank in self._side_routes:
+                        self.side.send_multipart([self._side_routes[rank], *self.codec.encode(out)])
+                if not self.side.poll(50 if self.attached else 200):
                     continue
                 frames = self.side.recv_multipart(copy=False)
             except zmq.ZMQError:
@@ -176,11 +204,23 @@ class Lab:
                 continue
             if msg.get("gen") != self.gen:
                 continue
+            self._side_routes[msg["rank"]] = frames[0].bytes
+            if msg["type"] == "stream" and self.attached:  # their logs are on other machines
+                self._log_attached(msg)
             if msg["type"] == "status":
                 msg["received"] = time.monotonic()
                 self.status[msg["rank"]] = msg
             elif msg["type"] == "stream":
                 self._post("stream", msg)
+
+    def _log_attached(self, msg: dict[str, Any]) -> None:
+        path = os.path.join(self.log_dir, f"rank-{msg['rank']}.log")
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            with os.fdopen(fd, "ab") as f:
+                f.write(msg["text"].encode(errors="replace"))
+        except OSError:
+            pass
 
     def _on_exit(self, pid: int, rank: int | None, code: int) -> None:
         if rank is not None and self.pids.get(rank) == pid:
@@ -218,6 +258,112 @@ class Lab:
             _current = self
             return self
 
+    @classmethod
+    def attach(
+        cls,
+        world_size: int,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        key_file: str | None = None,
+        *,
+        nnodes: int = 1,
+        backend: str = "auto",
+        device: str = "auto",
+        timeout: float | None = None,
+        pg_timeout: float = 1800,
+        log_dir: str | None = None,
+        wait: bool = True,
+        attach_timeout: float = 600,
+    ) -> Lab:
+        """A lab whose ranks are started by torchrun (on this or other machines). Kernel side.
+
+        Binds a TCP endpoint on `host` (loopback by default: pass the address other nodes
+        reach, or "0.0.0.0", to take ranks from a cluster), writes the lab's key to `key_file`
+        (mode 600; by default in a private temporary directory) and prints the torchrun command
+        to run. With `wait`, returns once all `world_size` ranks attached and formed their
+        process group; else call `lab.wait_attached()` later.
+        """
+        from labkit import attach
+
+        check_world_size(world_size)
+        lab = cls(
+            world_size,
+            backend=backend,
+            device=device,
+            timeout=timeout,
+            pg_timeout=pg_timeout,
+            log_dir=log_dir,
+            start=False,
+            _listen=(host, port),
+        )
+        try:
+            lab.key_file = attach.write_key_file(
+                key_file or os.path.join(lab.sock_dir, "lab.key"), lab.codec.key
+            )
+            bound = lab._endpoint(lab.ctrl).rsplit(":", 1)[1]
+            shown = socket.gethostname() if host in ("0.0.0.0", "::", "*") else host
+            lab.endpoint = f"{shown}:{bound}"
+            lab.command = attach.torchrun_command(world_size, lab.endpoint, lab.key_file, nnodes)
+            print(f"waiting for {world_size} ranks; start them with:\n  {lab.command}", flush=True)
+            if wait:
+                lab.wait_attached(attach_timeout)
+        except BaseException:
+            lab.stop()
+            raise
+        return lab
+
+    def wait_attached(self, timeout: float = 600) -> Lab:
+        """Wait for torchrun's ranks to attach and form their process group (kernel side)."""
+        with self._lock:
+            n = self.requested[0]
+            assert self.attached and n is not None
+            self.gen = 1
+            deadline = time.monotonic() + timeout
+            try:
+                attaches = self._pump(set(range(n)), "attach", deadline=deadline)
+            except _Stuck:
+                raise LabError(
+                    f"only {len(self.routes)} of {n} ranks attached in {timeout:.0f} s; start "
+                    f"them with:\n  {self.command}\n(torchrun's nnodes x nproc-per-node must "
+                    f"be {n})"
+                ) from None
+            bad = {r: h["world_size"] for r, h in attaches.items() if h["world_size"] != n}
+            if bad:
+                raise LabError(f"torchrun started WORLD_SIZE={bad.popitem()[1]}, the lab wants {n}")
+            welcome = {
+                "type": "welcome",
+                "gen": self.gen,
+                "side": "tcp://HOST:" + self._endpoint(self.side).rsplit(":", 1)[1],
+                "backend": self.requested[1],
+                "device": self.requested[2],
+                "pg_timeout": self.pg_timeout,
+            }
+            self._send(range(n), welcome)
+            self.routes.clear()  # each rank now signs in again from its serving socket
+            hellos = self._pump(set(range(n)), "hello", deadline=deadline)
+            self.pids = {r: h["pid"] for r, h in hellos.items()}
+            self._send(range(n), {"type": "init", "port": None})
+            self._pump(set(range(n)), "ready", deadline=deadline)
+            gpus = max(h.get("gpus", 0) for h in attaches.values())
+            devices = {h["device"].split(":")[0] for h in hellos.values()}
+            hosts = sorted({h["host"] for h in hellos.values()})
+            device = "cuda" if "cuda" in devices else "cpu"
+            backend = self.requested[1]
+            if backend == "auto":
+                backend = "nccl" if device == "cuda" else "gloo"
+            self.choice = Choice(
+                n,
+                backend,
+                device,
+                gpus,
+                f"{backend} on {device}: {n} ranks attached from torchrun on {', '.join(hosts)}",
+            )
+            self.info = {r: dict(h, backend=backend) for r, h in hellos.items()}
+            self._measure_offsets()
+            global _current
+            _current = self
+            return self
+
     def _spawn_ranks(self) -> None:
         assert self.server is not None and self.choice is not None
         self.gen += 1
@@ -239,17 +385,21 @@ class Lab:
             "master_addr": "127.0.0.1",
             "pg_timeout": self.pg_timeout,
         }
-        for r in range(n):
-            self.server.spawn(dict(base, rank=r, local_rank=r))
-        self.pids = self.server.wait_pids(self.gen, list(range(n)))
         deadline = time.monotonic() + START_TIMEOUT
         try:
+            for r in range(n):
+                self.server.spawn(dict(base, rank=r, local_rank=r))
+            self.pids = self.server.wait_pids(self.gen, list(range(n)))
             hellos = self._pump(set(range(n)), "hello", deadline=deadline)
             self.info = {r: dict(h, backend=self.choice.backend) for r, h in hellos.items()}
             self._send(range(n), {"type": "init", "port": hellos[0]["port"]})
             self._pump(set(range(n)), "ready", deadline=deadline)
             self._measure_offsets()
         except BaseException:
+            try:  # ranks forked but not yet reported must be killed too
+                self.server.wait_pids(self.gen, list(range(n)), timeout=2.0)
+            except (RuntimeError, KeyboardInterrupt):
+                pass
             self._kill_ranks()
             raise
 
@@ -264,6 +414,10 @@ class Lab:
 
     def _kill_ranks(self) -> None:
         pids = list(self.pids.values())
+        if self.server is not None:  # also ranks forked before an interrupted start-up
+            with self.server.cond:
+                pids += [p for (g, _), p in self.server.spawned.items() if g == self.gen]
+            pids = sorted(set(pids))
         self.pids = {}
         if self.server is not None and pids:
             self.server.signal(pids, signal.SIGKILL)
@@ -271,6 +425,12 @@ class Lab:
 
     def restart(self, world_size: int | None = None) -> Lab:
         """Kill the ranks and fork new ones (variables on the ranks are lost). Kernel side."""
+        if self.attached:
+            raise LabError(
+                "this lab's ranks were started by torchrun, not by labkit, so labkit cannot "
+                "restart them: stop the torchrun job (Ctrl-C in its terminal, or scancel), "
+                "then call Lab.attach(...) again and start torchrun with the command it prints"
+            )
         with self._lock:
             if self.closed:
                 raise LabError("this lab was stopped; create a new one with labkit.Lab(n)")
@@ -291,6 +451,12 @@ class Lab:
             if self.closed:
                 return
             pids = list(self.pids.values())
+            if self.attached and pids:  # ask torchrun's ranks to leave; their job then ends
+                try:
+                    self._send(self.pids, {"type": "exit"})
+                    time.sleep(0.2)
+                except zmq.ZMQError:
+                    pass
             if self.server is not None and pids:
                 self.server.signal(pids, signal.SIGTERM)
                 if not self.server.wait_exited(pids, timeout=1.0):
@@ -323,7 +489,8 @@ class Lab:
     def _send(self, ranks: Iterable[int], msg: dict[str, Any]) -> None:
         frames = self.codec.encode(msg)
         for r in ranks:
-            self.ctrl.send_multipart([f"r{r}".encode(), *frames], copy=False)
+            ident = self.routes.get(r) or f"r{r}".encode()
+            self.ctrl.send_multipart([ident, *frames], copy=False)
 
     def _pump(
         self,
@@ -350,8 +517,13 @@ class Lab:
                             f"labkit rejected a message: {exc}", LabkitWarning, stacklevel=2
                         )
                         continue
+                    except Exception as exc:  # noqa: BLE001 - signed, but the kernel cannot unpickle it
+                        msg = self._undecodable(frames[0].bytes, exc, expect, msg_id)
+                        if msg is None:
+                            continue
                     if msg.get("gen") != self.gen:
                         continue
+                    self.routes[msg["rank"]] = frames[0].bytes
                     if msg["type"] == "fatal":
                         err = msg["error"]
                         raise LabError(
@@ -373,6 +545,36 @@ class Lab:
                 watch(pending)
         return replies
 
+    def _undecodable(
+        self, ident: bytes, exc: Exception, expect: str, msg_id: int | None
+    ) -> dict[str, Any] | None:
+        """A genuine reply whose value the kernel cannot rebuild: report it, do not hang."""
+        rank = next((r for r, i in self.routes.items() if i == ident), None)
+        if rank is None or expect != "done":
+            return None
+        return {
+            "type": "done",
+            "id": msg_id,
+            "rank": rank,
+            "gen": self.gen,
+            "error": None,
+            "value_error": f"the value could not be rebuilt in the kernel: "
+            f"{type(exc).__name__}: {exc}",
+        }
+
+    def log_tail(self, rank: int, lines: int = 12) -> str:
+        """The last lines of a rank's log (what it printed last, even if it crashed)."""
+        path = os.path.join(self.log_dir, f"rank-{rank}.log")
+        try:
+            with open(path, "rb") as f:
+                f.seek(max(0, os.path.getsize(path) - 16384))
+                text = f.read().decode(errors="replace")
+        except OSError:
+            return ""
+        text = text[text.rfind(LOG_HEADER) :]  # only this process's output
+        keep = [line for line in text.splitlines(True)[1:] if not _NOISE.search(line)]
+        return "".join(keep[-lines:]).rstrip()
+
     def _drain_events(self, pending: set[int]) -> None:
         while self.events:
             kind, *rest = self.events.popleft()
@@ -385,7 +587,12 @@ class Lab:
                     if code < 0
                     else f"exited with code {code}"
                 )
-                raise _Stuck(f"rank {rank} died ({how})")
+                text = f"rank {rank} died ({how})"
+                tail = self.log_tail(rank)
+                if tail:
+                    last = "".join(f"  | {line}" for line in tail.splitlines(True))
+                    text += f"; its last output (all of it: %lab logs {rank}):\n{last.rstrip()}"
+                raise _Stuck(text, died=rank)
             elif kind == "rejected":
                 warnings.warn(f"labkit rejected a message: {rest[0]}", LabkitWarning, stacklevel=3)
 
@@ -394,8 +601,21 @@ class Lab:
 
         rank, text = msg["rank"], msg["text"]
         self._seen_seq[rank] = msg["seq"]
-        self._outputs.setdefault(rank, []).append(text)
         out = sys.stderr if msg["name"] == "stderr" else sys.stdout
+        shown = self._shown.get(rank, 0)
+        self._shown[rank] = shown + len(text)
+        if shown >= self.max_shown:
+            return
+        if (
+            shown + len(text) > self.max_shown
+        ):  # a flood: show the first part, say where the rest is
+            text = text[: self.max_shown - shown]
+            text += (
+                f"{'' if text.endswith(chr(10)) else chr(10)}... output truncated after "
+                f"{self.max_shown >> 10} KiB; the full output is in `%lab logs {rank}`\n"
+            )
+            self._line_start[rank] = True
+        self._outputs.setdefault(rank, []).append(text)
         pieces = re.split(r"(?<=[\n\r])", text)
         tagged = []
         for piece in pieces:
@@ -425,6 +645,8 @@ class Lab:
     def _check_usable(self) -> None:
         if self.closed:
             raise LabError("this lab was stopped; create a new one with labkit.Lab(n)")
+        if self.broken:
+            raise LabError(self.broken)
         if not self.running:
             raise LabError("the lab's ranks are not running; call lab.start() or lab.restart()")
         if self.dead:
@@ -484,6 +706,7 @@ class Lab:
     ) -> Results:
         self._outputs = {r: [] for r in targets}
         self._line_start = {}
+        self._shown = {}
         replies: dict[int, dict[str, Any]] = {}
         live = LiveStatus(targets)
         started = time.monotonic()
@@ -501,6 +724,15 @@ class Lab:
             reason = diagnose(blocked, set(pending), why_not)
             if reason:
                 raise _Stuck(reason)
+            if self.attached:  # no fork server reports their deaths: watch the heartbeats
+                now = time.monotonic()
+                for r in sorted(pending):
+                    seen = self.status.get(r, {}).get("received", started)
+                    if now - max(seen, started) > HEARTBEAT_LOST:
+                        raise _Stuck(
+                            f"rank {r} sent no heartbeat for {HEARTBEAT_LOST:.0f} s: its process "
+                            "may have died (see torchrun's output on its node)"
+                        )
 
         self._send(targets, msg)
         try:
@@ -518,7 +750,7 @@ class Lab:
         except _Stuck as stuck:
             if deadline is not None and time.monotonic() > deadline:
                 stuck = _Stuck(f"the cell ran past its timeout of {timeout} s ({stuck})")
-            self._recover(str(stuck), replies, started)
+            self._recover(str(stuck), replies, started, died=stuck.died)
         finally:
             live.close()
         self._catch_up_streams(replies)
@@ -533,8 +765,12 @@ class Lab:
     ) -> None:
         """Stop pressed: SIGINT the running ranks; if they do not stop, recover."""
         running = [r for r in targets if r not in replies]
-        assert self.server is not None
-        self.server.signal([self.pids[r] for r in running], signal.SIGINT)
+        if self.attached:
+            for r in running:
+                self._side_out.append((r, {"type": "interrupt", "cell": cell}))
+        else:
+            assert self.server is not None
+            self.server.signal([self.pids[r] for r in running], signal.SIGINT)
         try:
             self._pump(
                 set(running),
@@ -572,15 +808,36 @@ class Lab:
                 states.append(CellState(r, "is not running this cell"))
         return states
 
-    def _recover(self, reason: str, replies: dict[int, dict[str, Any]], started: float) -> None:
+    def _recover(
+        self,
+        reason: str,
+        replies: dict[int, dict[str, Any]],
+        started: float,
+        died: int | None = None,
+    ) -> None:
         t0 = time.monotonic()
+        if self.attached:  # torchrun's ranks: labkit can neither kill nor re-fork them
+            self.broken = (
+                f"{reason}\nThe ranks were started by torchrun, so labkit cannot restart them: "
+                "stop the torchrun job (Ctrl-C in its terminal, or scancel), call "
+                "Lab.attach(...) again and rerun the torchrun command it prints."
+            )
+            errors = {r: m["error"] for r, m in replies.items() if m.get("error")}
+            if errors:
+                raise RemoteError(errors, self.broken)
+            raise LabError(self.broken)
         self.restart()
+        errors = {r: m["error"] for r, m in replies.items() if m.get("error")}
+        if errors and died is not None:  # the death is the root cause; the peers' errors follow
+            reason += f"\nbecause rank {died} died, " + "; ".join(
+                f"rank {r} raised {e['type']}: {(e['message'].splitlines() or [''])[0][:160]}"
+                for r, e in sorted(errors.items())
+            )
         note = (
             f"{reason}\nlabkit stopped the cell after {t0 - started:.1f} s and restarted the "
             f"ranks in {time.monotonic() - t0:.2f} s: variables on the ranks were lost."
         )
-        errors = {r: m["error"] for r, m in replies.items() if m.get("error")}
-        if errors:
+        if errors and died is None:
             raise RemoteError(errors, note)
         raise LabError(note)
 

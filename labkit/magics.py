@@ -1,6 +1,7 @@
 """IPython magics: `%lab ...` and `%%ranks` (kernel side; thin: parse, call the API, display).
 
 %lab start 4 [--backend gloo|nccl|auto] [--device cpu|cuda|auto] [--timeout S]
+%lab attach N [--host H] [--port P] [--key-file F] [--nnodes K]   ranks started by torchrun
 %lab status | %lab restart [N] | %lab stop | %lab logs RANK [--lines N]
 %%ranks [RANKS] [--timeout S]     run the cell on every rank, or on RANKS such as 0,2 or 1-3
 """
@@ -33,6 +34,13 @@ def _lab_parser() -> _Parser:
     start.add_argument("--backend", default="auto")
     start.add_argument("--device", default="auto")
     start.add_argument("--timeout", type=float)
+    attach = sub.add_parser("attach", add_help=False)
+    attach.add_argument("n", type=int)
+    attach.add_argument("--host", default="127.0.0.1")
+    attach.add_argument("--port", type=int, default=0)
+    attach.add_argument("--key-file")
+    attach.add_argument("--nnodes", type=int, default=1)
+    attach.add_argument("--timeout", type=float)
     sub.add_parser("status", add_help=False)
     restart = sub.add_parser("restart", add_help=False)
     restart.add_argument("n", type=int, nargs="?")
@@ -58,6 +66,18 @@ class LabMagics(Magics):
         if args.cmd == "start":
             lab = lab_module.Lab(
                 args.n, backend=args.backend, device=args.device, timeout=args.timeout
+            )
+            self.shell.user_ns["lab"] = lab
+            print(f"lab ready: {lab.choice.reason}; bound to `lab`")
+            return None
+        if args.cmd == "attach":
+            lab = lab_module.Lab.attach(
+                args.n,
+                args.host,
+                args.port,
+                args.key_file,
+                nnodes=args.nnodes,
+                timeout=args.timeout,
             )
             self.shell.user_ns["lab"] = lab
             print(f"lab ready: {lab.choice.reason}; bound to `lab`")
@@ -94,6 +114,7 @@ def read_log(log_dir: str, rank: int, world_size: int, lines: int) -> str:
     if not os.path.exists(path):
         return f"(no output from rank {rank} yet: {path})\n"
     with open(path, "rb") as f:
+        f.seek(max(0, os.path.getsize(path) - (8 << 20)))  # a flood's log can be huge
         text = f.read().decode(errors="replace")
     return "".join(text.splitlines(True)[-lines:]) + f"--- {path}\n"
 

@@ -18,7 +18,10 @@ This module never imports IPython, ipywidgets or plotly.
 from __future__ import annotations
 
 import ast
+import builtins
 import datetime
+import faulthandler
+import functools
 import linecache
 import os
 import signal
@@ -59,10 +62,39 @@ class Rank:
 
     def _connect(self, endpoint: str, ident: bytes) -> zmq.Socket:
         sock = self.ctx.socket(zmq.DEALER)
-        sock.setsockopt(zmq.IDENTITY, ident)
+        if self.cfg.get("attached"):  # over TCP: the kernel routes by the id it saw sign in
+            sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
+        else:
+            sock.setsockopt(zmq.IDENTITY, ident)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(endpoint)
         return sock
+
+    def _leave_when_kernel_goes(self) -> None:
+        """An attached rank has no parent in the lab: leave when the kernel's link drops."""
+        monitor = self.ctrl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+        def watch() -> None:
+            from zmq.utils.monitor import recv_monitor_message
+
+            recv_monitor_message(monitor)  # the link dropped (or its heartbeats timed out)
+            print(f"labkit rank {self.rank}: the lab's kernel is gone; leaving", file=sys.stderr)
+            time.sleep(0.2)  # let the capture thread log that line
+            os._exit(1)
+
+        threading.Thread(target=watch, name="labkit-kernel-link", daemon=True).start()
+
+    def _take_interrupts(self) -> None:
+        """Stop pressed for an attached rank arrives on `side` (labkit cannot signal it)."""
+        while self.side.poll(0):
+            try:
+                msg = self.codec.decode(self.side.recv_multipart(copy=False))
+            except Exception as exc:  # noqa: BLE001 - forged: log it, never unpickle
+                print(f"labkit rank {self.rank}: rejected a message: {exc}", file=sys.stderr)
+                continue
+            if msg.get("type") == "interrupt" and self.in_user_code:
+                os.kill(os.getpid(), signal.SIGINT)
 
     # -- sending ---------------------------------------------------------------------------
     def reply(self, msg: dict[str, Any]) -> None:
@@ -83,20 +115,33 @@ class Rank:
     # -- start-up --------------------------------------------------------------------------
     def start(self) -> None:
         cfg = self.cfg
-        os.environ.update(
-            {
-                "RANK": str(self.rank),
-                "WORLD_SIZE": str(cfg["world_size"]),
-                "LOCAL_RANK": str(cfg["local_rank"]),
-                "LOCAL_WORLD_SIZE": str(cfg["local_world_size"]),
-                "MASTER_ADDR": cfg["master_addr"],
-                "GROUP_RANK": "0",
-                "ROLE_RANK": str(self.rank),
-            }
-        )
+        if not cfg.get("attached"):  # torchrun already set these for an attached rank
+            os.environ.update(
+                {
+                    "RANK": str(self.rank),
+                    "WORLD_SIZE": str(cfg["world_size"]),
+                    "LOCAL_RANK": str(cfg["local_rank"]),
+                    "LOCAL_WORLD_SIZE": str(cfg["local_world_size"]),
+                    "MASTER_ADDR": cfg["master_addr"],
+                    "GROUP_RANK": "0",
+                    "ROLE_RANK": str(self.rank),
+                }
+            )
+            # one machine: gloo and NCCL listen on loopback only, unless the user chose
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+            os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
         log_dir = cfg.get("log_dir")
         log = os.path.join(log_dir, f"rank-{self.rank}.log") if log_dir else None
-        self.capture = Capture(self.stream, log)
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        header = f"rank {self.rank} pid {os.getpid()} generation {self.gen} started {started}"
+        self.capture = Capture(self.stream, log, cfg.get("capture_fds"), header)
+        if cfg.get("attached"):
+            self._leave_when_kernel_goes()
+        faulthandler.enable(
+            all_threads=False
+        )  # a segfault leaves its Python traceback in the output and log
+        builtins.input = _no_input
+        sys.breakpointhook = _no_breakpoint
         signal.signal(signal.SIGINT, self._on_sigint)
         threading.Thread(target=self._heartbeat, name="labkit-heartbeat", daemon=True).start()
         import torch
@@ -105,15 +150,20 @@ class Rank:
         trace.install()
         port = None
         if self.rank == 0 and cfg.get("master_port") is None:
+            # bind the store's socket ourselves: TCPStore alone listens on every interface
+            listener = socket.create_server((cfg["master_addr"], 0), backlog=128)
+            port = listener.getsockname()[1]
             self.store = dist.TCPStore(
                 cfg["master_addr"],
-                0,
+                port,
                 cfg["world_size"],
                 is_master=True,
                 wait_for_workers=False,
                 timeout=datetime.timedelta(seconds=cfg["pg_timeout"]),
+                master_listen_fd=listener.detach(),
             )
-            port = self.store.port
+        if not cfg.get("attached"):
+            _reuse_store_in_init(dist, self)
         self.device = self._pick_device(torch)
         self.ns = self._namespace(torch, dist)
         self.reply(
@@ -158,6 +208,13 @@ class Rank:
 
         cfg = self.cfg
         timeout = datetime.timedelta(seconds=cfg["pg_timeout"])
+        if cfg.get("attached"):  # torchrun formed the rendezvous: join it as a script would
+            t0 = time.time()
+            dist.init_process_group(
+                cfg["backend"], rank=self.rank, world_size=cfg["world_size"], timeout=timeout
+            )
+            self.reply({"type": "ready", "init_s": time.time() - t0})
+            return
         os.environ["MASTER_PORT"] = str(msg["port"])
         if self.store is None:
             self.store = dist.TCPStore(
@@ -211,6 +268,9 @@ class Rank:
             time.sleep(HEARTBEAT_BUSY if busy else HEARTBEAT_IDLE)
             if os.getppid() != parent:  # our parent died: the lab is gone
                 os._exit(1)
+            if self.cfg.get("attached"):
+                with self.side_lock:
+                    self._take_interrupts()
             status = {"type": "status", "busy": self.busy_cell, "time": time.time()}
             if self.busy_cell is not None:
                 status.update(line=self._running_line(), op=trace.current())
@@ -344,6 +404,46 @@ def describe(value: Any) -> dict[str, Any]:
     return info
 
 
+def _reuse_store_in_init(dist: Any, rank: Rank) -> None:
+    """Let a cell call `dist.init_process_group(...)` as a torchrun script does.
+
+    MASTER_PORT belongs to rank 0's store, which labkit keeps open, so env:// would fail to
+    bind it. A call without `store` or `init_method` joins that store under a fresh prefix
+    instead (every rank counts its calls the same way); a destroyed group can be re-created.
+    """
+    real = dist.init_process_group
+    calls = [0]
+
+    @functools.wraps(real)
+    def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("store") is None and kwargs.get("init_method") in (None, "env://"):
+            if len(args) < 2 and rank.store is not None:
+                calls[0] += 1
+                kwargs.pop("init_method", None)
+                kwargs["store"] = dist.PrefixStore(f"labkit/{rank.gen}/user{calls[0]}", rank.store)
+                kwargs.setdefault("rank", rank.rank)
+                kwargs.setdefault("world_size", rank.cfg["world_size"])
+        return real(*args, **kwargs)
+
+    dist.init_process_group = init_process_group
+
+
+def _no_input(prompt: Any = "") -> str:
+    rank = os.environ.get("RANK", "?")
+    raise EOFError(
+        f"input() cannot read on rank {rank}: ranks have no keyboard (stdin is /dev/null). "
+        "Set the value in the cell, or send it with lab.push(name=value)"
+    )
+
+
+def _no_breakpoint(*args: Any, **kwargs: Any) -> None:
+    rank = os.environ.get("RANK", "?")
+    raise RuntimeError(
+        f"breakpoint() cannot stop on rank {rank}: ranks have no terminal to debug in. "
+        "Print the values you need, or lab.pull() them into the notebook"
+    )
+
+
 def _format_error(exc: BaseException) -> dict[str, Any]:
     frames = [
         f
@@ -367,3 +467,9 @@ def run(cfg: dict[str, Any]) -> None:
             time.sleep(0.2)
         finally:
             os._exit(1)
+
+
+if __name__ == "__main__":  # torchrun ... -m labkit.worker --connect HOST:PORT --key-file F
+    from labkit.attach import main
+
+    main()

@@ -1,0 +1,167 @@
+"""Ranks started by torchrun that attach to a notebook's lab (rank side, plus kernel helpers).
+
+`Lab.attach(n)` in the notebook binds a TCP endpoint (loopback unless the user picks another
+address), writes the lab's key to a file readable only by its owner, and prints the command to
+run, for example
+
+    torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \\
+        -m labkit.worker --connect HEAD:PORT --key-file ~/.labkit/lab.key
+
+Each rank torchrun starts runs `main()` below: it reads RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from torchrun's environment, says `attach` to
+the kernel (signed with the key), gets a `welcome` (the side endpoint, backend, device), and
+then serves cells exactly as a forked rank does, except that it joins its process group with
+env:// (torchrun formed the rendezvous) and that labkit cannot restart it: a stuck cell is
+recovered by restarting the torchrun job. A rank leaves when the kernel says `exit` or when its
+connection to the kernel drops (ZeroMQ heartbeats), so a dead notebook frees the GPUs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import sys
+import time
+from typing import Any
+
+ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+WELCOME_TIMEOUT = 120.0
+
+
+def write_key_file(path: str, key: bytes) -> str:
+    """Write the lab's key as hex to `path`, readable and writable by its owner only."""
+    path = os.path.abspath(os.path.expanduser(path))
+    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)  # an existing file keeps its mode on open; make sure
+        os.write(fd, key.hex().encode() + b"\n")
+    finally:
+        os.close(fd)
+    return path
+
+
+def read_key_file(path: str) -> bytes:
+    path = os.path.expanduser(path)
+    mode = os.stat(path).st_mode & 0o077
+    if mode:
+        raise PermissionError(
+            f"key file {path} is readable by others (mode {oct(os.stat(path).st_mode & 0o777)}); "
+            "run chmod 600 on it"
+        )
+    with open(path) as f:
+        return bytes.fromhex(f.read().strip())
+
+
+def torchrun_command(world_size: int, endpoint: str, key_file: str, nnodes: int = 1) -> str:
+    """The command that starts `world_size` ranks attaching to `endpoint` (kernel side)."""
+    if world_size % nnodes:
+        raise ValueError(f"world_size {world_size} is not a multiple of nnodes {nnodes}")
+    per_node = world_size // nnodes
+    rdzv = "" if nnodes == 1 else " --rdzv-backend=c10d --rdzv-endpoint=HEAD_HOST:29500"
+    return (
+        f"torchrun --nnodes={nnodes} --nproc-per-node={per_node}{rdzv} "
+        f"-m labkit.worker --connect {endpoint} --key-file {key_file}"
+    )
+
+
+def _torchrun_env() -> dict[str, str]:
+    missing = [k for k in ENV if k not in os.environ]
+    if missing:
+        raise SystemExit(
+            f"labkit.worker --connect: {', '.join(missing)} not set; start it with torchrun "
+            "(torchrun --nproc-per-node=N -m labkit.worker --connect HOST:PORT --key-file F)"
+        )
+    return {k: os.environ[k] for k in ENV}
+
+
+def _handshake(endpoint: str, codec: Any, hello: dict[str, Any]) -> dict[str, Any]:
+    """Say `attach` until the kernel answers with `welcome` (rank side)."""
+    import zmq
+
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    try:
+        sock.send_multipart(codec.encode(dict(hello)))
+        deadline = time.monotonic() + WELCOME_TIMEOUT
+        while time.monotonic() < deadline:
+            if not sock.poll(1000):
+                continue
+            try:
+                msg = codec.decode(sock.recv_multipart())
+            except Exception as exc:  # noqa: BLE001 - forged or another lab's: never unpickled
+                print(f"labkit: rejected a message from {endpoint}: {exc}", file=sys.stderr)
+                continue
+            if msg.get("type") == "welcome":
+                return msg
+            if msg.get("type") == "refused":
+                raise SystemExit(f"labkit: the lab at {endpoint} refused rank: {msg['why']}")
+        raise SystemExit(
+            f"labkit: no answer from a lab at {endpoint} in {WELCOME_TIMEOUT:.0f} s "
+            "(is Lab.attach(...) waiting in the notebook, and is the key file the lab's?)"
+        )
+    finally:
+        sock.close(linger=0)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m labkit.worker --connect HOST:PORT --key-file F` (run by torchrun)."""
+    p = argparse.ArgumentParser(prog="python -m labkit.worker")
+    p.add_argument("--connect", required=True, metavar="HOST:PORT", help="the lab's endpoint")
+    p.add_argument("--key-file", required=True, help="the file Lab.attach wrote (mode 600)")
+    p.add_argument("--log-dir", help="also keep each rank's output here, on this node")
+    args = p.parse_args(argv)
+    host, _, port = args.connect.rpartition(":")
+    if not host or not port.isdigit():
+        p.error(f"--connect takes HOST:PORT, got {args.connect!r}")
+
+    from labkit import worker
+    from labkit.protocol import Codec
+
+    env = _torchrun_env()
+    codec = Codec(read_key_file(args.key_file))
+    rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
+    import torch
+
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    welcome = _handshake(
+        f"tcp://{host}:{port}",
+        codec,
+        {
+            "type": "attach",
+            "rank": rank,
+            "gen": 1,
+            "world_size": world_size,
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "gpus": gpus,
+        },
+    )
+    device = welcome["device"] if welcome["device"] != "auto" else ("cuda" if gpus else "cpu")
+    backend = welcome["backend"]
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if args.log_dir:
+        os.makedirs(args.log_dir, mode=0o700, exist_ok=True)
+    worker.run(
+        {
+            "attached": True,
+            "rank": rank,
+            "world_size": world_size,
+            "local_rank": int(env["LOCAL_RANK"]),
+            "local_world_size": int(env["LOCAL_WORLD_SIZE"]),
+            "master_addr": env["MASTER_ADDR"],
+            "master_port": int(env["MASTER_PORT"]),
+            "ctrl": f"tcp://{host}:{port}",
+            "side": welcome["side"].replace("HOST", host),
+            "key": codec.key,
+            "gen": welcome["gen"],
+            "backend": backend,
+            "device": device,
+            "log_dir": args.log_dir,
+            "pg_timeout": welcome["pg_timeout"],
+        }
+    )

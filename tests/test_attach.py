@@ -1,0 +1,194 @@
+"""Ranks started by torchrun attach to a lab: two torchrun "nodes" on loopback, 1 rank each.
+
+Checks that cells, output, values, pull/push, tracing, Stop and logs work as with forked
+ranks; that restart says clearly why it cannot; that `stop()` ends the torchrun job; and that
+attached ranks leave when the notebook's kernel dies.
+"""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+import labkit
+from labkit import LabError
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_torchrun(endpoint: str, key_file: str, nnodes: int = 2) -> list[subprocess.Popen]:
+    """One torchrun agent per "node", all on this machine (static rendezvous on loopback)."""
+    port = _free_port()
+    procs = []
+    for node in range(nnodes):
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            f"--nnodes={nnodes}",
+            f"--node-rank={node}",
+            "--nproc-per-node=1",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            "-m",
+            "labkit.worker",
+            "--connect",
+            endpoint,
+            "--key-file",
+            key_file,
+        ]
+        procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    return procs
+
+
+def wait_all(procs, timeout):
+    deadline = time.monotonic() + timeout
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=max(0.1, deadline - time.monotonic())))
+        except subprocess.TimeoutExpired:
+            codes.append(None)
+    return codes
+
+
+def end(procs):
+    for p in procs:  # our own children, by their Popen handles
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    wait_all(procs, 10)
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+        if p.stderr:
+            p.stderr.close()
+
+
+@pytest.fixture(scope="module")
+def attached():
+    lab = labkit.Lab.attach(2, wait=False)
+    procs = start_torchrun(lab.endpoint, lab.key_file)
+    try:
+        lab.wait_attached(180)
+        yield lab, procs
+    finally:
+        lab.stop()
+        end(procs)
+
+
+def test_attach_prints_the_command_and_keeps_the_key_private(attached):
+    lab, _ = attached
+    assert lab.endpoint.startswith("127.0.0.1:")
+    assert "-m labkit.worker --connect 127.0.0.1:" in lab.command
+    assert "--nproc-per-node=2" in lab.command and lab.key_file in lab.command
+    assert os.stat(lab.key_file).st_mode & 0o777 == 0o600
+    assert "attached from torchrun" in lab.choice.reason and lab.world_size == 2
+
+
+def test_cells_values_and_collectives(attached, capsys):
+    lab, _ = attached
+    res = lab.run("print('hello', rank)\nt = torch.ones(3) * (rank + 1)\ndist.all_reduce(t)\nt")
+    assert all(res[r].value.tolist() == [3.0, 3.0, 3.0] for r in (0, 1))
+    out = capsys.readouterr().out
+    assert "[rank 0] hello 0" in out and "[rank 1] hello 1" in out
+    env = lab.run("import os\n(os.environ['RANK'], os.environ['WORLD_SIZE'], str(device))")
+    assert env.values_by_rank == {0: ("0", "2", "cpu"), 1: ("1", "2", "cpu")}
+    lab.push(lr=0.5)
+    assert lab.pull("lr * 2") == {0: 1.0, 1: 1.0}
+    assert lab.run("rank * 10", ranks=1).values_by_rank == {1: 10}
+
+
+def test_tracing_and_logs(attached):
+    lab, _ = attached
+    lab.run("x = torch.ones(100)\ndist.all_reduce(x)\nprint('logged line', rank)")
+    recs = lab.trace()
+    assert sorted((r.rank, r.op) for r in recs) == [(0, "all_reduce"), (1, "all_reduce")]
+    from labkit.magics import read_log
+
+    assert "logged line 1" in read_log(lab.log_dir, 1, lab.world_size, 50)
+
+
+def test_stop_reaches_attached_ranks(attached):
+    lab, _ = attached
+    lab.run("kept = 7")
+    timer = threading.Timer(0.8, _thread.interrupt_main)
+    timer.start()
+    t0 = time.monotonic()
+    res = lab.run("while True:\n    pass")
+    timer.cancel()
+    assert time.monotonic() - t0 < 15
+    assert {r.error["type"] for r in res.values()} == {"KeyboardInterrupt"}
+    assert lab.pull("kept") == {0: 7, 1: 7}
+
+
+def test_restart_is_refused_with_the_reason(attached):
+    lab, _ = attached
+    with pytest.raises(
+        LabError, match="started by torchrun.*restart the torchrun job|torchrun job"
+    ):
+        lab.restart()
+    assert lab.run("rank").values_by_rank == {0: 0, 1: 1}
+
+
+def test_stop_ends_the_torchrun_job():
+    lab = labkit.Lab.attach(2, wait=False)
+    procs = start_torchrun(lab.endpoint, lab.key_file)
+    try:
+        lab.wait_attached(180)
+        lab.stop()
+        assert wait_all(procs, 30) == [0, 0]
+    finally:
+        lab.stop()
+        end(procs)
+
+
+KERNEL = textwrap.dedent("""
+    import labkit, sys
+    lab = labkit.Lab.attach(2, wait=False)
+    print("EP", lab.endpoint, lab.key_file, flush=True)
+    lab.wait_attached(180)
+    print("ready", flush=True)
+    sys.stdin.read()
+""")
+
+
+def test_attached_ranks_leave_when_the_kernel_dies():
+    kernel = subprocess.Popen(
+        [sys.executable, "-c", KERNEL], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    procs = []
+    try:
+        line = ""
+        while not line.startswith("EP "):
+            line = kernel.stdout.readline()
+            assert line, "the kernel ended early"
+        endpoint, key_file = line.split()[1:]
+        procs = start_torchrun(endpoint, key_file)
+        assert kernel.stdout.readline().strip() == "ready"
+        kernel.kill()
+        kernel.wait()
+        codes = wait_all(procs, 40)
+        assert None not in codes, "torchrun's ranks outlived the kernel"
+    finally:
+        if kernel.poll() is None:
+            kernel.kill()
+            kernel.wait()
+        kernel.stdout.close()
+        kernel.stdin.close()
+        end(procs)
