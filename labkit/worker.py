@@ -326,6 +326,11 @@ class Rank:
         import cloudpickle
 
         fn = cloudpickle.loads(fn_bytes)
+        # a function from the notebook sees the rank's names (dist, torch, device, ...) where
+        # the kernel had none of its own
+        for name, value in self.ns.items():
+            if not name.startswith("__"):
+                fn.__globals__.setdefault(name, value)
         params = inspect.signature(fn).parameters
         kwargs = {k: self.ns[k] for k in params if k in self.ns}
         return fn(**kwargs)

@@ -191,3 +191,12 @@ def test_status_report(lab):
 
 def test_current_is_the_last_started(lab):
     assert labkit.current() is lab
+
+
+def test_function_sees_rank_names_it_did_not_import(lab):
+    namespace = {}
+    exec(  # a function whose module (like a notebook without these imports) lacks dist/torch
+        "def f():\n    t = torch.ones(1)\n    dist.all_reduce(t)\n    return t.item(), str(device)",
+        namespace,
+    )
+    assert lab.run(namespace["f"]).values_by_rank == {r: (4.0, "cpu") for r in range(4)}
