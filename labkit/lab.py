@@ -147,7 +147,7 @@ class Lab:
         self._cell = 0
         self._seen_seq: dict[int, int] = {}
         self._outputs: dict[int, list[str]] = {}
-        self._line_start: dict[int, bool] = {}
+        self._line_start: dict[tuple[int, str], bool] = {}
         self._shown: dict[int, int] = {}  # characters shown per rank in this cell
         self.max_shown = MAX_SHOWN
         self._lock = threading.RLock()
@@ -606,6 +606,7 @@ class Lab:
         self._shown[rank] = shown + len(text)
         if shown >= self.max_shown:
             return
+        key = (rank, msg["name"])  # stdout and stderr each have their own line start
         if (
             shown + len(text) > self.max_shown
         ):  # a flood: show the first part, say where the rest is
@@ -614,17 +615,17 @@ class Lab:
                 f"{'' if text.endswith(chr(10)) else chr(10)}... output truncated after "
                 f"{self.max_shown >> 10} KiB; the full output is in `%lab logs {rank}`\n"
             )
-            self._line_start[rank] = True
+            self._line_start[key] = True
         self._outputs.setdefault(rank, []).append(text)
         pieces = re.split(r"(?<=[\n\r])", text)
         tagged = []
         for piece in pieces:
             if not piece:
                 continue
-            if self._line_start.get(rank, True):
+            if self._line_start.get(key, True):
                 tagged.append(f"[rank {rank}] ")
             tagged.append(piece)
-            self._line_start[rank] = piece.endswith(("\n", "\r"))
+            self._line_start[key] = piece.endswith(("\n", "\r"))
         out.write("".join(tagged))
         out.flush()
 
