@@ -485,7 +485,7 @@ class Lab:
         self._outputs = {r: [] for r in targets}
         self._line_start = {}
         replies: dict[int, dict[str, Any]] = {}
-        live = LiveStatus(targets)
+        live = LiveStatus(targets, lab=self)
         started = time.monotonic()
         deadline = started + timeout if timeout else None
 
