@@ -709,7 +709,7 @@ class Lab:
         self._line_start = {}
         self._shown = {}
         replies: dict[int, dict[str, Any]] = {}
-        live = LiveStatus(targets)
+        live = LiveStatus(targets, lab=self)
         started = time.monotonic()
         deadline = started + timeout if timeout else None
 

@@ -1,10 +1,14 @@
-"""The live status of a running cell (kernel side).
+"""The live status of a running cell, and the Restart button after it (kernel side).
 
-Shown once a cell has run for `SHOW_AFTER` seconds, so quick cells stay quick: one row per
-rank with its state, the line it runs and the comm op it is inside ("inside all_reduce #17 on
-group [0, 1] for 4.2 s"). In a notebook it is an HTML display updated in place and cleared when
-the cell ends; elsewhere it stays silent. Stop is the notebook's own Stop button (kernel
-interrupt), which labkit turns into SIGINT on the ranks.
+Shown once a cell has run for `SHOW_AFTER` seconds, so quick cells stay quick: one line per
+rank with its state, e.g. "rank 1 inside all_reduce #17 on group [0, 1] for 4.2 s, line 3".
+In a notebook it is an HTML display updated in place and cleared when the cell ends; elsewhere
+it stays silent.
+
+Why no Stop button in it: while a cell runs the kernel's shell is busy, so a widget's click is
+only handled after the cell ends. What reaches labkit mid-cell is the notebook's own Stop
+(■, a kernel interrupt), which labkit turns into SIGINT on the ranks; the status says so. After
+the cell, when ranks died, a Restart button (a real widget, which works then) replaces it.
 """
 
 from __future__ import annotations
@@ -19,22 +23,27 @@ REFRESH = 0.25
 
 
 def describe_state(s: CellState) -> str:
+    """What one rank is doing: "inside all_reduce #17 on group [0, 1] for 4.2 s, line 3"."""
     if s.state != "running":
         return s.state
-    text = "running" + (f" line {s.line}" if s.line else "")
-    if s.op:
-        group = ", ".join(map(str, s.op["group"]))
-        text += f", inside {s.op['op']} #{s.op['seq']} on group [{group}] for {s.blocked_s:.1f} s"
-    return text
+    line = f"line {s.line}" if s.line else ""
+    if not s.op:
+        return "running" + (f" {line}" if line else "")
+    group = ", ".join(map(str, s.op["group"]))
+    peer = f" with peer {s.op['peer']}" if s.op.get("peer") is not None else ""
+    text = f"inside {s.op['op']} #{s.op['seq']} on group [{group}]{peer} for {s.blocked_s:.1f} s"
+    return text + (f", {line}" if line else "")
+
+
+def status_line(s: CellState) -> str:
+    return f"rank {s.rank} {describe_state(s)}"
 
 
 def status_html(states: list[CellState], elapsed: float) -> str:
-    rows = "".join(
-        f"<tr><td>rank {s.rank}</td><td>{html.escape(describe_state(s))}</td></tr>" for s in states
-    )
+    rows = "".join(f"<li>{html.escape(status_line(s))}</li>" for s in states)
     return (
-        f"<div class='lk-live'><b>running for {elapsed:.1f} s</b> — press ■ (interrupt) "
-        f"to stop<table>{rows}</table></div>"
+        f"<div class='lk-live'><b>running for {elapsed:.1f} s</b> — press ■ (Kernel › "
+        f"Interrupt) to stop every rank<ul style='margin:2px 0'>{rows}</ul></div>"
     )
 
 
@@ -47,27 +56,64 @@ def _ipython() -> Any:
     return shell if shell is not None and hasattr(shell, "kernel") else None
 
 
+def restart_button(lab: Any) -> Any:
+    """A Restart button (with a status label) that calls `lab.restart()` when clicked."""
+    import ipywidgets as widgets
+
+    dead = ", ".join(f"rank {r}" for r in sorted(getattr(lab, "dead", {})))
+    label = widgets.HTML(f"{html.escape(dead or 'the ranks')} died: restart to go on")
+    button = widgets.Button(description="Restart ranks", icon="refresh", button_style="warning")
+
+    def on_click(_: Any) -> None:
+        button.disabled = True
+        label.value = "restarting..."
+        try:
+            lab.restart()
+        except Exception as exc:  # noqa: BLE001 - shown beside the button, not lost
+            label.value = html.escape(f"restart failed: {type(exc).__name__}: {exc}")
+            button.disabled = False
+            return
+        label.value = "ranks restarted (variables on the ranks were lost)"
+
+    button.on_click(on_click)
+    return widgets.HBox([button, label])
+
+
 class LiveStatus:
-    def __init__(self, targets: list[int]):
+    """The live status of one cell: `update(states, elapsed)` while it runs, then `close()`.
+
+    `lab` (optional) lets `close()` offer a Restart button when ranks died.
+    """
+
+    def __init__(self, targets: list[int], lab: Any = None):
         self.targets = targets
+        self.lab = lab
         self.handle: Any = None
         self.last = 0.0
+        self.html = ""  # what is shown now (tests read it)
+        self.after: Any = None  # the widget shown after the cell, if any
         self.enabled = _ipython() is not None
 
     def update(self, states: list[CellState], elapsed: float) -> None:
         if not self.enabled or elapsed < SHOW_AFTER or elapsed - self.last < REFRESH:
             return
+        self.last = elapsed
+        self._show(status_html(states, elapsed))
+
+    def _show(self, text: str) -> None:
         from IPython.display import HTML, display
 
-        self.last = elapsed
-        content = HTML(status_html(states, elapsed))
+        self.html = text
         if self.handle is None:
-            self.handle = display(content, display_id=True)
+            self.handle = display(HTML(text), display_id=True)
         else:
-            self.handle.update(content)
+            self.handle.update(HTML(text))
 
     def close(self) -> None:
         if self.handle is not None:
-            from IPython.display import HTML
+            self._show("")
+        if self.enabled and self.lab is not None and getattr(self.lab, "dead", None):
+            from IPython.display import display
 
-            self.handle.update(HTML(""))
+            self.after = restart_button(self.lab)
+            display(self.after)

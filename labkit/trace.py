@@ -4,7 +4,23 @@
 so user code keeps calling the real API (`dist.all_reduce(x)`) and each call leaves a
 `labkit.records.CommRecord`: op, per-group sequence number, group ranks, peer, bytes, dtype and
 shape, start and end, and the cell line that made it. Async calls (`async_op=True`, `isend`,
-`irecv`, `batch_isend_irecv`) are completed when their work's `wait()` returns.
+`irecv`) are completed when their work's `wait()` returns or its future completes.
+
+Communication that does not go through those functions is caught where it starts:
+
+- the functions are replaced both in `torch.distributed` and in `distributed_c10d`, so code that
+  imported them from there, `P2POp(dist.isend, ...)` (which checks identity) and
+  `batch_isend_irecv` (which calls each op's function) all reach the wrapper; a batch leaves one
+  `isend`/`irecv` record per op, as torch.distributed.pipelining issues them;
+- DDP's reducer calls the process group from C++, so at a DDP module's first forward, when no
+  comm hook is registered, labkit registers `default_hooks.allreduce_hook`: the same average
+  (divide by the group size, then sum), issued through `dist.all_reduce`, one record per bucket;
+- DTensor communicates through functional collectives (`_functional_collectives.all_reduce`,
+  `all_gather_single`, `reduce_scatter_single`, `all_to_all_single`, ...): those are wrapped
+  when that module is imported (it costs 65 ms, so it is not imported for you), and an op
+  completes when `wait_tensor` is called on its result.
+
+On CUDA each record also gets `device_time` from a pair of CUDA events on the current stream.
 
 `current()` is the op the main thread is inside right now; the worker's heartbeat reports it so
 the kernel can say "rank 1 inside all_reduce #17 on group [0, 1] since 4.2 s, line 3" and spot
@@ -16,6 +32,7 @@ Times are this rank's `time.time()`; the kernel shifts them by the clock offset 
 from __future__ import annotations
 
 import functools
+import importlib.abc
 import inspect
 import sys
 import threading
@@ -49,6 +66,21 @@ OPS: dict[str, tuple[str | None, str | None]] = {
 }
 ASYNC_ALWAYS = {"isend", "irecv", "batch_isend_irecv"}
 KEEP_CELLS = 20
+FUNCOL = "torch.distributed._functional_collectives"
+# functional collective -> (op name in records, bytes are the gathered output)
+FUNCOL_OPS: dict[str, tuple[str, bool]] = {
+    "broadcast": ("broadcast", False),
+    "all_reduce": ("all_reduce", False),
+    "all_reduce_coalesced": ("all_reduce_coalesced", False),
+    "all_gather_single": ("all_gather_into_tensor", True),
+    "all_gather_single_autograd": ("all_gather_into_tensor", True),
+    "all_gather_single_coalesced": ("all_gather_into_tensor", True),
+    "reduce_scatter_single": ("reduce_scatter_tensor", False),
+    "reduce_scatter_single_autograd": ("reduce_scatter_tensor", False),
+    "reduce_scatter_single_coalesced": ("reduce_scatter_tensor", False),
+    "all_to_all_single": ("all_to_all_single", False),
+    "all_to_all_single_autograd": ("all_to_all_single", False),
+}
 
 
 class _State:
@@ -60,8 +92,14 @@ class _State:
         self.order: deque[int] = deque()
         self.seq: dict[tuple[int, ...], int] = {}
         self.current: CommRecord | None = None
+        self.groups: dict[Any, tuple[int, ...]] = {}  # process group -> its global ranks
+        self.since = 0.0  # when the main thread started waiting in `current`
         self.main = threading.main_thread().ident
         self.installed = False
+        self.inside = False  # the main thread is inside a traced call (nested ones are not)
+        self.batch: list[CommRecord] | None = None  # records of the batch_isend_irecv running
+        self.waiting: dict[int, tuple[Any, CommRecord]] = {}  # funcol result -> its record
+        self.events: list[tuple[CommRecord, Any, Any]] = []  # CUDA events not yet resolved
 
 
 STATE = _State()
@@ -70,6 +108,8 @@ STATE = _State()
 def begin_cell(cell: int, rank: int) -> None:
     STATE.cell, STATE.rank = cell, rank
     STATE.records[cell] = []
+    STATE.waiting.clear()
+    STATE.groups.clear()  # a group may have been destroyed and another made since
     STATE.order.append(cell)
     while len(STATE.order) > KEEP_CELLS:
         STATE.records.pop(STATE.order.popleft(), None)
@@ -79,6 +119,7 @@ def records(cell: int | None = None) -> list[CommRecord | SpanRecord]:
     """Records of one cell (default: the last one)."""
     if cell is None:
         cell = STATE.order[-1] if STATE.order else 0
+    _resolve_events()
     return list(STATE.records.get(cell, []))
 
 
@@ -91,7 +132,7 @@ def current() -> dict[str, Any] | None:
         "seq": rec.seq,
         "group": rec.group,
         "peer": rec.peer,
-        "since": rec.start,
+        "since": STATE.since,  # an async op: since its wait() began, not since it was issued
         "line": rec.line,
         "shape": rec.shape,
         "dtype": rec.dtype,
@@ -116,12 +157,17 @@ def _tensors(obj: Any) -> list[Any]:
 
 
 def _group_ranks(group: Any) -> tuple[int, ...]:
+    ranks = STATE.groups.get(group)
+    if ranks is not None:
+        return ranks
     import torch.distributed as dist
 
     try:
-        return tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
     except Exception:  # a group this rank is not part of, or no group yet
         return ()
+    STATE.groups[group] = ranks
+    return ranks
 
 
 def _user_line() -> tuple[str, int | None]:
@@ -134,103 +180,346 @@ def _user_line() -> tuple[str, int | None]:
     return "", None
 
 
+def _new_record(
+    op: str, ranks: tuple[int, ...], tensors: list[Any], *, peer: Any = None, **extra: Any
+) -> CommRecord:
+    first = tensors[0] if tensors else None
+    STATE.seq[ranks] = seq = STATE.seq.get(ranks, 0) + 1
+    filename, line = _user_line()
+    return CommRecord(
+        rank=STATE.rank,
+        op=op,
+        seq=seq,
+        group=ranks,
+        peer=peer,
+        bytes=sum(t.numel() * t.element_size() for t in tensors),
+        dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
+        shape=tuple(first.shape) if first is not None else (),
+        start=time.time(),
+        cell=STATE.cell,
+        line=line,
+        filename=filename,
+        **extra,
+    )
+
+
+def _cuda_event(tensors: list[Any]) -> Any:
+    """A recorded timing event on the current stream when the op's tensors are on CUDA."""
+    if not tensors or not tensors[0].is_cuda:
+        return None
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def _end_event(rec: CommRecord, start_event: Any) -> None:
+    if start_event is not None:
+        import torch
+
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        STATE.events.append((rec, start_event, end))
+
+
+def _resolve_events() -> None:
+    """Fill `device_time` of records whose CUDA events have completed."""
+    pending = []
+    for rec, start, end in STATE.events:
+        if end.query():
+            rec.device_time = start.elapsed_time(end) / 1e3
+        else:
+            pending.append((rec, start, end))
+    STATE.events = pending[-10_000:]
+
+
 def _wrap(op: str, fn: Any) -> Any:
     sig = inspect.signature(fn)
     tensor_arg, peer_arg = OPS[op]
+    default_op = sig.parameters["op"].default if "op" in sig.parameters else None
+    names = list(sig.parameters)  # binding by position is ~10x cheaper than sig.bind_partial
 
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        if not STATE.enabled or threading.get_ident() != STATE.main:
+        if not STATE.enabled:
             return fn(*args, **kwargs)
-        bound = sig.bind_partial(*args, **kwargs).arguments
-        group = bound.get("group")
+        main = threading.get_ident() == STATE.main  # DDP's hooks may run on autograd threads
+        if main and STATE.inside:
+            return fn(*args, **kwargs)
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
         if op == "batch_isend_irecv":
-            ops = bound.get("p2p_op_list") or []
-            group = getattr(ops[0], "group", None) if ops else None
-        ranks = _group_ranks(group)
+            return _batch(fn, args, kwargs, main)
+        ranks = _group_ranks(bound.get("group"))
         tensors = _tensors(bound.get(tensor_arg)) if tensor_arg else []
-        first = tensors[0] if tensors else None
         peer = bound.get(peer_arg) if peer_arg else None
         if peer is None and peer_arg and bound.get("group_" + peer_arg) is not None:
             peer = ranks[bound["group_" + peer_arg]] if ranks else None
-        STATE.seq[ranks] = seq = STATE.seq.get(ranks, 0) + 1
-        filename, line = _user_line()
-        reduce_op = bound.get("op")
-        rec = CommRecord(
-            rank=STATE.rank,
-            op=op,
-            seq=seq,
-            group=ranks,
+        reduce_op = bound.get("op", default_op)
+        rec = _new_record(
+            op,
+            ranks,
+            tensors,
             peer=peer,
-            bytes=sum(t.numel() * t.element_size() for t in tensors),
-            dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
-            shape=tuple(first.shape) if first is not None else (),
-            start=time.time(),
-            cell=STATE.cell,
-            line=line,
-            filename=filename,
             async_op=op in ASYNC_ALWAYS or bool(bound.get("async_op")),
             reduce_op=str(reduce_op).rsplit(".", 1)[-1] if reduce_op is not None else None,
         )
         _record(rec)
+        if STATE.batch is not None and main:
+            STATE.batch.append(rec)
+        event = _cuda_event(tensors)
         if rec.async_op:
             work = fn(*args, **kwargs)
-            return _complete_on_wait(work, rec)
-        STATE.current = rec
+            rec.end = time.time()  # issued; completion moves it later
+            return _complete_on_wait(work, [rec], event)
+        if main:
+            STATE.current, STATE.since, STATE.inside = rec, rec.start, True
         try:
             return fn(*args, **kwargs)
         finally:
             rec.end = time.time()
-            STATE.current = None
+            _end_event(rec, event)
+            if main:
+                STATE.current, STATE.inside = None, False
 
     traced.__labkit_traced__ = fn  # type: ignore[attr-defined]
     return traced
 
 
-class TracedWork:
-    """Wraps an async op's Work so that `wait()` stamps the record's completion time."""
+def _batch(fn: Any, args: Any, kwargs: Any, main: bool) -> Any:
+    """batch_isend_irecv: each P2POp's isend/irecv records itself; the batch's works (one per
+    op, or one for a coalesced batch on NCCL) complete all of them."""
+    if not main:
+        return fn(*args, **kwargs)
+    STATE.batch = batch = []
+    try:
+        works = fn(*args, **kwargs)
+    finally:
+        STATE.batch = None
+    if works and not any(isinstance(w, TracedWork) for w in works):  # coalesced
+        return [TracedWork(w, batch, None) for w in works]
+    return works
 
-    def __init__(self, work: Any, rec: CommRecord):
+
+class TracedWork:
+    """Wraps an async op's Work so that its completion stamps the records' end time."""
+
+    def __init__(self, work: Any, recs: list[CommRecord], event: Any):
         self._work = work
-        self._rec = rec
+        self._recs = recs
+        self._event = event
+        self._done = False
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            now = time.time()
+            for rec in self._recs:
+                rec.end = max(rec.end, now)
+                _end_event(rec, self._event)
 
     def wait(self, *args: Any, **kwargs: Any) -> Any:
-        STATE.current = self._rec
+        main = threading.get_ident() == STATE.main
+        if main:
+            STATE.current, STATE.since = (self._recs[0] if self._recs else None), time.time()
         try:
             return self._work.wait(*args, **kwargs)
         finally:
-            STATE.current = None
-            self._rec.end = max(self._rec.end, time.time())
+            if main:
+                STATE.current = None
+            self._finish()
 
     def is_completed(self) -> bool:
         done = self._work.is_completed()
-        if done and not self._rec.end:
-            self._rec.end = time.time()
+        if done:
+            self._finish()
         return done
+
+    def get_future(self) -> Any:
+        fut = self._work.get_future()
+        fut.add_done_callback(lambda _: self._finish())
+        return fut
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._work, name)
 
 
-def _complete_on_wait(work: Any, rec: CommRecord) -> Any:
+def _complete_on_wait(work: Any, recs: list[CommRecord], event: Any = None) -> Any:
     if work is None:
-        rec.end = time.time()
+        for rec in recs:
+            _end_event(rec, event)
         return work
     if isinstance(work, list):
-        return [TracedWork(w, rec) for w in work]
-    return TracedWork(work, rec)
+        return [TracedWork(w, recs, event) for w in work]
+    return TracedWork(work, recs, event)
+
+
+# -- functional collectives (DTensor) --------------------------------------------------------
+def _funcol_ranks(funcol: Any, group: Any) -> tuple[int, ...]:
+    import torch.distributed as dist
+
+    try:
+        resolved = funcol._resolve_group(group)
+        if not isinstance(resolved, dist.ProcessGroup):
+            resolved = dist.distributed_c10d._resolve_process_group(resolved)
+        return tuple(dist.get_process_group_ranks(resolved))
+    except Exception:  # a traced (compiled) group, or one this rank cannot resolve
+        return ()
+
+
+def _wrap_funcol(funcol: Any, name: str, fn: Any) -> Any:
+    op, gathered = FUNCOL_OPS[name]
+    sig = inspect.signature(fn)
+    first_arg = next(iter(sig.parameters))
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        if not STATE.enabled or STATE.inside or threading.get_ident() != STATE.main:
+            return fn(*args, **kwargs)
+        bound = sig.bind_partial(*args, **kwargs).arguments
+        ranks = _funcol_ranks(funcol, bound.get("group"))
+        tensors = _tensors(bound.get(first_arg))
+        reduce_op = bound.get("reduceOp")
+        rec = _new_record(
+            op,
+            ranks,
+            tensors,
+            peer=bound.get("src"),
+            async_op=True,
+            reduce_op=str(reduce_op).upper() if reduce_op is not None else None,
+        )
+        if gathered:
+            rec.bytes *= max(len(ranks), 1)
+        _record(rec)
+        event = _cuda_event(tensors)
+        STATE.inside = True
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            STATE.inside = False
+            rec.end = time.time()
+        for res in out if isinstance(out, list) else [out]:
+            elem = getattr(res, "elem", None)  # an AsyncCollectiveTensor: waited on later
+            if elem is not None and not getattr(res, "completed", True):
+                STATE.waiting[id(elem)] = (elem, rec, event)
+            else:
+                _end_event(rec, event)
+        return out
+
+    traced.__labkit_traced__ = fn  # type: ignore[attr-defined]
+    return traced
+
+
+def _wrap_wait_tensor(fn: Any) -> Any:
+    @functools.wraps(fn)
+    def wait_tensor(tensor: Any) -> Any:
+        entry = STATE.waiting.pop(id(tensor), None)
+        if entry is None or threading.get_ident() != STATE.main:
+            return fn(tensor)
+        _, rec, event = entry
+        STATE.current, STATE.since = rec, time.time()
+        try:
+            return fn(tensor)
+        finally:
+            STATE.current = None
+            rec.end = max(rec.end, time.time())
+            _end_event(rec, event)
+
+    wait_tensor.__labkit_traced__ = fn  # type: ignore[attr-defined]
+    return wait_tensor
+
+
+def _install_funcol(funcol: Any) -> None:
+    for name in FUNCOL_OPS:
+        fn = getattr(funcol, name, None)
+        if fn is not None and not hasattr(fn, "__labkit_traced__"):
+            setattr(funcol, name, _wrap_funcol(funcol, name, fn))
+    if not hasattr(funcol.wait_tensor, "__labkit_traced__"):
+        funcol.wait_tensor = _wrap_wait_tensor(funcol.wait_tensor)
+
+
+class _OnImport(importlib.abc.MetaPathFinder):
+    """Runs a patch right after a module is first imported (so the import stays lazy)."""
+
+    def __init__(self, patches: dict[str, Any]):
+        self.patches = patches
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        patch = self.patches.get(name)
+        if patch is None:
+            return None
+        for finder in sys.meta_path:
+            if finder is self or not hasattr(finder, "find_spec"):
+                continue
+            spec = finder.find_spec(name, path, target)
+            if spec is not None:
+                break
+        else:
+            return None
+        loader = spec.loader
+        if loader is None or not hasattr(loader, "exec_module"):
+            return spec
+        run = loader.exec_module
+
+        def exec_module(module: Any) -> None:
+            run(module)
+            patch(module)
+
+        loader.exec_module = exec_module  # type: ignore[method-assign]
+        return spec
+
+
+# -- DDP ---------------------------------------------------------------------------------------
+def _install_ddp() -> None:
+    """Trace DDP's bucket all_reduces: register the documented default hook at first forward."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    if hasattr(DDP.forward, "__labkit_traced__"):
+        return
+    forward, builtin = DDP.forward, DDP._register_builtin_comm_hook
+
+    @functools.wraps(builtin)
+    def register_builtin(self: Any, *args: Any, **kwargs: Any) -> Any:
+        self._labkit_hooked = True
+        return builtin(self, *args, **kwargs)
+
+    @functools.wraps(forward)
+    def traced_forward(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if not getattr(self, "_labkit_hooked", False):
+            self._labkit_hooked = True
+            if STATE.enabled and not self._comm_hooks:
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                # Same math as DDP without a hook: divide by the group size, sum (an average);
+                # but issued through dist.all_reduce, which is traced.
+                self.register_comm_hook(self.process_group, default_hooks.allreduce_hook)
+        return forward(self, *args, **kwargs)
+
+    traced_forward.__labkit_traced__ = forward  # type: ignore[attr-defined]
+    DDP.forward = traced_forward  # type: ignore[method-assign]
+    DDP._register_builtin_comm_hook = register_builtin  # type: ignore[method-assign]
 
 
 def install() -> None:
     """Wrap torch.distributed's p2p and collective functions (once per process)."""
     import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
 
     if STATE.installed:
         return
     for op in OPS:
         fn = getattr(dist, op, None)
         if fn is not None and not hasattr(fn, "__labkit_traced__"):
-            setattr(dist, op, _wrap(op, fn))
+            traced = _wrap(op, fn)
+            setattr(dist, op, traced)
+            if getattr(c10d, op, None) is fn:
+                setattr(c10d, op, traced)
+    _install_ddp()
+    if FUNCOL in sys.modules:
+        _install_funcol(sys.modules[FUNCOL])
+    else:
+        sys.meta_path.insert(0, _OnImport({FUNCOL: _install_funcol}))
     STATE.installed = True
 
 

@@ -6,6 +6,12 @@ tests read the figure state without a browser. Figures are shown as plotly Figur
 Output holding the figure's plotly JSON (JupyterLab renders it; nothing is fetched from the
 network). Every view also has `to_html()`: plain HTML tables without JavaScript, which is what a
 saved notebook shows once the live widgets cannot be restored.
+
+Shown in a notebook, a view makes two outputs: the live widget, then its static copy. JupyterLab
+never falls back to a widget output's own text/html (a saved widget whose kernel is gone reads
+"Error displaying widget: model not found"), so the copy is an output of its own; a CSS rule in
+it hides it while the live widget right before it renders, so it shows only once that is gone
+(or in a frontend without the rule's classes, where both show).
 """
 
 from __future__ import annotations
@@ -24,6 +30,13 @@ from labkit.records import CommRecord, SpanRecord, from_dict
 
 Record = CommRecord | SpanRecord
 PLOTLY_MIME = "application/vnd.plotly.v1+json"
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+LIVE_CLASS = "labkit-live-view"
+# Hide the static copy while the live view in the output just before it is rendered.
+STATIC_CSS = (
+    f"<style>.jp-OutputArea-child:has(.{LIVE_CLASS}) + .jp-OutputArea-child "
+    ".labkit-static-copy {display: none}</style>"
+)
 
 
 class ViewWarning(UserWarning):
@@ -91,6 +104,7 @@ class View(widgets.VBox):
 
     def __init__(self, children: Sequence[widgets.Widget] = (), **kwargs: Any) -> None:
         super().__init__(children=tuple(children), **kwargs)
+        self.add_class(LIVE_CLASS)
         self.figures: list[Any] = []
 
     def add_figure(self, fig: go.Figure) -> widgets.DOMWidget:
@@ -112,6 +126,18 @@ class View(widgets.VBox):
         bundle = super()._repr_mimebundle_(**kwargs) or {}
         bundle["text/html"] = self.to_html()
         return bundle
+
+    def static_copy_html(self) -> str:
+        """The static copy as its own output: hidden while the live view renders."""
+        return f"{STATIC_CSS}<div class='labkit-static-copy'>{self.to_html()}</div>"
+
+    def _ipython_display_(self) -> None:
+        from IPython.display import display
+
+        bundle = self._repr_mimebundle_()
+        live = {k: v for k, v in bundle.items() if k in (WIDGET_MIME, "text/plain")}
+        display(live, raw=True)
+        display({"text/html": self.static_copy_html()}, raw=True)
 
 
 def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: str = "") -> str:

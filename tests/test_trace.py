@@ -1,0 +1,158 @@
+"""The rank-side tracer records communication however it is issued (2 CPU ranks, gloo).
+
+Plain `dist.*` calls, `P2POp` batches (as torch.distributed.pipelining issues them), DDP's bucket
+all_reduces (made by the C++ reducer) and DTensor's functional collectives each leave records
+with op, group, peer and bytes; async ops end when they complete; DDP's math is unchanged.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import labkit
+from labkit import trace
+
+
+@pytest.fixture(scope="module")
+def lab():
+    lab = labkit.Lab(2, device="cpu")
+    yield lab
+    lab.stop()
+
+
+def _ops(lab, rank: int = 0) -> list:
+    return [r for r in lab.trace() if r.rank == rank and r.kind == "comm"]
+
+
+@pytest.mark.timeout(120)
+def test_sync_and_async_calls(lab) -> None:
+    lab.run(
+        """
+x = torch.ones(256)
+dist.all_reduce(x)
+w = dist.all_reduce(x, async_op=True)
+w.wait()
+fut = dist.broadcast(x, src=1, async_op=True).get_future()
+fut.wait()
+"""
+    ).raise_for_errors()
+    recs = _ops(lab)
+    assert [r.op for r in recs] == ["all_reduce", "all_reduce", "broadcast"]
+    assert [r.seq - recs[0].seq for r in recs] == [0, 1, 2]  # one count per group
+    assert all(r.group == (0, 1) and r.bytes == 1024 and r.end >= r.start for r in recs)
+    assert [r.async_op for r in recs] == [False, True, True]
+    assert recs[2].peer == 1 and recs[0].line == 3 and recs[0].reduce_op == "SUM"
+
+
+@pytest.mark.timeout(120)
+def test_p2p_batch_records_each_op_with_its_peer(lab) -> None:
+    results = lab.run(
+        """
+peer = 1 - rank
+send, recv = torch.arange(3.) + rank, torch.empty(3)
+ops = [dist.P2POp(dist.isend, send, peer), dist.P2POp(dist.irecv, recv, peer)]
+for work in dist.batch_isend_irecv(ops):
+    work.wait()
+recv
+"""
+    )
+    assert torch.equal(results[0].value, torch.arange(3.0) + 1)
+    recs = _ops(lab, 1)
+    assert [(r.op, r.peer, r.bytes, r.async_op) for r in recs] == [
+        ("isend", 0, 12, True),
+        ("irecv", 0, 12, True),
+    ]
+    assert all(r.end >= r.start for r in recs)
+
+
+@pytest.mark.timeout(180)
+def test_pipelining_schedule_is_traced(lab) -> None:
+    lab.run(
+        """
+from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
+torch.manual_seed(0)
+layers = [nn.Linear(4, 4) for _ in range(world_size)]
+stage = PipelineStage(layers[rank], rank, world_size, torch.device("cpu"))
+schedule = ScheduleGPipe(stage, n_microbatches=2, loss_fn=lambda out, y: ((out - y) ** 2).mean())
+x, y = torch.randn(4, 4), torch.randn(4, 4)
+schedule.step(x) if rank == 0 else schedule.step(target=y)
+"""
+    ).raise_for_errors()
+    sends = [r for r in _ops(lab, 0) if r.op in ("isend", "send")]
+    recvs = [r for r in _ops(lab, 1) if r.op in ("irecv", "recv")]
+    # 2 micro-batches of activations (2 x 4 floats) go forward, from stage 0 to stage 1
+    assert len(sends) >= 2 and all(r.peer == 1 for r in sends)
+    assert len(recvs) >= 2 and all(r.peer == 0 for r in recvs)
+    assert {r.bytes for r in sends} >= {2 * 4 * 4}
+
+
+DDP_CELL = """
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+model = nn.Sequential(nn.Linear(6, 5), nn.ReLU(), nn.Linear(5, 2))
+ddp = DDP(model)
+torch.manual_seed(1 + rank)
+ddp(torch.randn(3, 6)).sum().backward()
+[p.grad.clone() for p in model.parameters()]
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ddp_buckets_are_traced_and_grads_unchanged(lab) -> None:
+    traced = lab.run(DDP_CELL)
+    recs = _ops(lab)
+    num_params = 6 * 5 + 5 + 5 * 2 + 2
+    buckets = [r for r in recs if r.op == "all_reduce"]
+    assert buckets and sum(r.bytes for r in buckets) == num_params * 4
+    assert all(r.group == (0, 1) and r.end >= r.start for r in buckets)
+    lab.trace(enabled=False)  # DDP's own C++ path, no hook registered
+    try:
+        plain = lab.run(DDP_CELL)
+    finally:
+        lab.trace(enabled=True)
+    for rank in (0, 1):
+        for a, b in zip(traced[rank].value, plain[rank].value, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+    assert all(torch.equal(a, b) for a, b in zip(traced[0].value, traced[1].value, strict=True))
+
+
+@pytest.mark.timeout(180)
+def test_dtensor_functional_collectives_are_traced(lab) -> None:
+    results = lab.run(
+        """
+from torch.distributed.tensor import DeviceMesh, Replicate, Shard, distribute_tensor
+import torch.distributed._functional_collectives as funcol
+mesh = DeviceMesh("cpu", [0, 1])
+d = distribute_tensor(torch.arange(8.), mesh, [Shard(0)])
+full = d.redistribute(mesh, [Replicate()]).to_local()
+s = funcol.all_reduce(torch.ones(4) * (rank + 1), "sum", mesh)
+(full, s + 0, hasattr(funcol.all_reduce, "__labkit_traced__"))
+"""
+    )
+    full, summed, patched = results[0].value
+    assert torch.equal(full, torch.arange(8.0)) and torch.equal(summed, torch.full((4,), 3.0))
+    assert patched
+    recs = _ops(lab)
+    gathers = [r for r in recs if r.op == "all_gather_into_tensor"]
+    reduces = [r for r in recs if r.op == "all_reduce"]
+    assert len(gathers) == 1 and gathers[0].bytes == 8 * 4 and gathers[0].group == (0, 1)
+    assert len(reduces) == 1 and reduces[0].reduce_op == "SUM" and reduces[0].async_op
+    assert all(r.end >= r.start for r in recs)
+
+
+def test_cuda_device_time() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("device_time comes from CUDA events: needs a GPU (CPU records leave it None)")
+    t = torch.ones(1024, device="cuda")
+    event = trace._cuda_event([t])
+    rec = trace.CommRecord(rank=0, op="all_reduce", seq=1, group=(0,))
+    t.mul_(2)
+    trace._end_event(rec, event)
+    torch.cuda.synchronize()
+    trace._resolve_events()
+    assert rec.device_time is not None and rec.device_time >= 0
+
+
+def test_no_cuda_event_for_cpu_tensors() -> None:
+    assert trace._cuda_event([torch.ones(2)]) is None and trace._cuda_event([]) is None
