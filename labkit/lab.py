@@ -722,7 +722,12 @@ class Lab:
                 if s.op is not None and s.state == "running"
             }
             why_not = {s.rank: s.state for s in states if s.state != "running"}
-            reason = diagnose(blocked, set(pending), why_not)
+            progress = {r: m.get("progress") for r, m in replies.items()}
+            for r in pending:
+                st = self.status.get(r, {})
+                if st.get("busy") == cell:
+                    progress[r] = st.get("progress")
+            reason = diagnose(blocked, set(pending), why_not, progress=progress)
             if reason:
                 raise _Stuck(reason)
             if self.attached:  # no fork server reports their deaths: watch the heartbeats

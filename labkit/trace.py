@@ -83,6 +83,9 @@ FUNCOL_OPS: dict[str, tuple[str, bool]] = {
 }
 
 
+P2P_OPS = {"send", "recv", "isend", "irecv"}
+
+
 class _State:
     def __init__(self) -> None:
         self.enabled = True
@@ -90,7 +93,8 @@ class _State:
         self.cell = 0
         self.records: dict[int, list[CommRecord | SpanRecord]] = {}
         self.order: deque[int] = deque()
-        self.seq: dict[tuple[int, ...], int] = {}
+        self.seq: dict[tuple[int, ...], int] = {}  # collectives called per group
+        self.p2p: dict[tuple[str, int], int] = {}  # ("sent"|"received", peer) -> count
         self.current: CommRecord | None = None
         self.groups: dict[Any, tuple[int, ...]] = {}  # process group -> its global ranks
         self.since = 0.0  # when the main thread started waiting in `current`
@@ -139,6 +143,22 @@ def current() -> dict[str, Any] | None:
     }
 
 
+def progress() -> dict[str, Any]:
+    """How far this rank got: collectives per group, p2p messages per peer (for the watchdog)."""
+    for _ in range(3):  # read from the heartbeat thread while the main thread may add keys
+        try:
+            return {
+                "seq": dict(STATE.seq),
+                "sent": {peer: n for (kind, peer), n in STATE.p2p.items() if kind == "sent"},
+                "received": {
+                    peer: n for (kind, peer), n in STATE.p2p.items() if kind == "received"
+                },
+            }
+        except RuntimeError:
+            continue
+    return {}
+
+
 def _record(rec: CommRecord | SpanRecord) -> None:
     STATE.records.setdefault(STATE.cell, []).append(rec)
 
@@ -184,7 +204,13 @@ def _new_record(
     op: str, ranks: tuple[int, ...], tensors: list[Any], *, peer: Any = None, **extra: Any
 ) -> CommRecord:
     first = tensors[0] if tensors else None
-    STATE.seq[ranks] = seq = STATE.seq.get(ranks, 0) + 1
+    if op in P2P_OPS and isinstance(peer, int):
+        # point-to-point calls are numbered per peer and direction ("the 3rd send to rank 1"),
+        # so collectives keep the same numbers on every rank of a group
+        key = ("sent" if op in ("send", "isend") else "received", peer)
+        STATE.p2p[key] = seq = STATE.p2p.get(key, 0) + 1
+    else:
+        STATE.seq[ranks] = seq = STATE.seq.get(ranks, 0) + 1
     filename, line = _user_line()
     return CommRecord(
         rank=STATE.rank,

@@ -19,7 +19,9 @@ from __future__ import annotations
 from typing import Any
 
 GRACE = 1.0
+LONG_GRACE = 5.0  # when every absent peer already made its side of the op
 P2P = {"send", "recv", "isend", "irecv"}
+UNDIAGNOSED = {"batch_isend_irecv"}  # a batch mixes peers and directions: Stop or timeout only
 
 
 def _p2p_peer(op: dict[str, Any]) -> int | None:
@@ -40,22 +42,48 @@ def _op_text(rank: int, op: dict[str, Any]) -> str:
     )
 
 
+def _did_its_part(r: int, op: dict[str, Any], other: dict[str, Any] | None) -> bool:
+    """Whether rank `other` (by its progress counters) already made its side of r's op."""
+    if not other:
+        return False
+    if op["op"] in ("send", "isend"):
+        return other.get("received", {}).get(r, 0) >= op["seq"]
+    if op["op"] in ("recv", "irecv"):
+        return other.get("sent", {}).get(r, 0) >= op["seq"]
+    return other.get("seq", {}).get(tuple(op["group"]), 0) >= op["seq"]
+
+
 def diagnose(
     blocked: dict[int, dict[str, Any]],
     running: set[int],
     why_not: dict[int, str],
     grace: float = GRACE,
+    progress: dict[int, dict[str, Any]] | None = None,
 ) -> str | None:
     """Why the cell is stuck, or None. `blocked[r]` is rank r's current op with `blocked_s`.
 
     `running` holds the ranks still executing the cell; `why_not[r]` says why a rank is not
-    ("finished", "raised ZeroDivisionError", "not in this cell", "died").
+    ("finished", "raised ZeroDivisionError", "not in this cell", "died"). `progress[r]`, where
+    known, counts the collectives rank r called per group and its p2p messages per peer
+    (`labkit.trace.progress`): a peer that finished after doing its side of an op is no reason
+    to call that op stuck before `LONG_GRACE` (it completes once the bytes arrive, however
+    loaded the machine).
     """
-    long = {r: op for r, op in blocked.items() if r in running and op["blocked_s"] >= grace}
+    progress = progress or {}
+    long = {
+        r: op
+        for r, op in blocked.items()
+        if r in running and op["blocked_s"] >= grace and op["op"] not in UNDIAGNOSED
+    }
     for r, op in sorted(long.items()):
         peer = _p2p_peer(op)
         needed = set(op["group"]) if peer is None else {peer}
         absent = sorted(needed - running)
+        if op["blocked_s"] < LONG_GRACE:
+            # a peer that made its side of the op may just be ahead of a starved rank; but if
+            # the op still has not completed after LONG_GRACE, it never will (a gloo mismatch
+            # can complete on the others and leave this rank waiting)
+            absent = [a for a in absent if not _did_its_part(r, op, progress.get(a))]
         if absent:
             reasons = "; ".join(f"rank {a} {why_not.get(a, 'is not running')}" for a in absent)
             return f"{_op_text(r, op)}, which can never complete: {reasons}."
@@ -80,7 +108,10 @@ def diagnose(
         other = long.get(peer) if peer is not None else None
         if other is not None and _p2p_peer(other) == r:
             a, b = op["op"].lstrip("i"), other["op"].lstrip("i")
-            if a == b:
+            either_sent = _did_its_part(r, op, progress.get(peer)) or _did_its_part(
+                peer, other, progress.get(r)
+            )
+            if a == b and not either_sent:
                 return (
                     f"ranks {r} and {peer} both wait to {a} to each other first:\n  "
                     f"{_op_text(r, op)}\n  {_op_text(peer, other)}"

@@ -273,7 +273,9 @@ class Rank:
                     self._take_interrupts()
             status = {"type": "status", "busy": self.busy_cell, "time": time.time()}
             if self.busy_cell is not None:
-                status.update(line=self._running_line(), op=trace.current())
+                status.update(
+                    line=self._running_line(), op=trace.current(), progress=trace.progress()
+                )
             try:
                 self.send_side(status)
             except zmq.ZMQError:
@@ -315,6 +317,7 @@ class Rank:
             "error": error,
             "t_end": time.time(),
             "stream_seq": self.stream_seq,
+            "progress": trace.progress(),
         }
         if value is not None and msg.get("display", True):
             reply["display"] = describe(value)

@@ -74,3 +74,48 @@ def test_mutual_recv_and_mutual_send() -> None:
     assert text is not None and text.startswith("ranks 0 and 1 both wait to recv")
     text = diagnose({0: op("send", peer=1), 1: op("send", peer=0)}, {0, 1}, {})
     assert text is not None and "both wait to send" in text
+
+
+def _op(op, seq, group=(0, 1), peer=None, blocked_s=2.0):
+    return {
+        "op": op,
+        "seq": seq,
+        "group": group,
+        "peer": peer,
+        "blocked_s": blocked_s,
+        "shape": (4,),
+        "dtype": "float32",
+        "line": 1,
+    }
+
+
+def test_finished_peer_that_already_sent_is_not_a_deadlock():
+    blocked = {0: _op("recv", 3, peer=1)}
+    done = {1: {"sent": {0: 3}, "received": {}, "seq": {}}}
+    assert diagnose(blocked, {0}, {1: "finished"}, progress=done) is None
+    # ... unless it still has not arrived after the long grace
+    late = {0: _op("recv", 3, peer=1, blocked_s=6.0)}
+    assert "rank 1 finished" in diagnose(late, {0}, {1: "finished"}, progress=done)
+    short = {1: {"sent": {0: 2}, "received": {}, "seq": {}}}
+    assert "rank 1 finished" in diagnose(blocked, {0}, {1: "finished"}, progress=short)
+
+
+def test_finished_rank_that_already_left_the_barrier_is_not_absent():
+    blocked = {0: _op("barrier", 7, group=(0, 1, 2))}
+    progress = {1: {"seq": {(0, 1, 2): 7}}, 2: {"seq": {(0, 1, 2): 7}}}
+    assert diagnose(blocked, {0}, {1: "finished", 2: "finished"}, progress=progress) is None
+    progress[2] = {"seq": {(0, 1, 2): 6}}
+    reason = diagnose(blocked, {0}, {1: "finished", 2: "finished"}, progress=progress)
+    assert "rank 2 finished" in reason and "rank 1" not in reason.split("complete:")[1]
+
+
+def test_mutual_recv_where_one_side_already_sent_is_not_reported():
+    blocked = {0: _op("recv", 1, peer=1), 1: _op("recv", 1, peer=0)}
+    assert "both wait to recv" in diagnose(blocked, {0, 1}, {})
+    sent = {0: {"sent": {1: 1}}, 1: {"sent": {}}}
+    assert diagnose(blocked, {0, 1}, {}, progress=sent) is None
+
+
+def test_batches_are_left_to_stop_and_timeout():
+    blocked = {0: _op("batch_isend_irecv", 1, group=(0, 1, 2))}
+    assert diagnose(blocked, {0}, {1: "finished", 2: "finished"}) is None
