@@ -110,8 +110,9 @@ class LiveStatus:
             self.handle.update(HTML(text))
 
     def close(self) -> None:
-        if self.handle is not None:
-            self._show("")
+        if self.handle is not None:  # clear it: empty html and text, no "<HTML object>" left
+            self.html = ""
+            self.handle.update({"text/html": "", "text/plain": ""}, raw=True)
         if self.enabled and self.lab is not None and getattr(self.lab, "dead", None):
             from IPython.display import display
 
