@@ -57,8 +57,10 @@ OPS: dict[str, tuple[str | None, str | None]] = {
     "all_reduce": ("tensor", None),
     "all_gather": ("tensor_list", None),  # bytes: the whole gathered buffer, as nccl-tests
     "all_gather_into_tensor": ("output_tensor", None),
+    "all_gather_single": ("output_tensor", None),  # torch 2.13's name; FSDP2 calls it
     "reduce_scatter": ("input_list", None),
     "reduce_scatter_tensor": ("input", None),
+    "reduce_scatter_single": ("input", None),
     "all_to_all": ("input_tensor_list", None),
     "all_to_all_single": ("input", None),
     "barrier": (None, None),

@@ -156,3 +156,20 @@ def test_cuda_device_time() -> None:
 
 def test_no_cuda_event_for_cpu_tensors() -> None:
     assert trace._cuda_event([torch.ones(2)]) is None and trace._cuda_event([]) is None
+
+
+@pytest.mark.timeout(120)
+def test_fsdp2_all_gathers_and_reduce_scatters_are_traced():
+    import labkit
+
+    with labkit.Lab(2, device="cpu") as lab:
+        lab.run(
+            "from torch.distributed.fsdp import fully_shard\n"
+            "m = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))\n"
+            "for layer in m:\n    fully_shard(layer)\nfully_shard(m)"
+        )
+        lab.run("m(torch.randn(4, 8)).sum().backward()")
+        ops = {(r.op, r.bytes) for r in lab.trace() if r.rank == 0}
+    # per layer: the whole (gathered) parameters, 4 bytes each: 8*8+8 = 72 and 8*2+2 = 18
+    assert ("all_gather_single", 72 * 4) in ops and ("reduce_scatter_single", 72 * 4) in ops
+    assert ("all_gather_single", 18 * 4) in ops and ("reduce_scatter_single", 18 * 4) in ops
