@@ -93,10 +93,9 @@ def pair_swap(rank, device):
         dist.recv(theirs, src=peer)
         dist.send(mine, dst=peer)
     return theirs
-# or, in any order (under labkit, P2POp needs torch's own isend/irecv from distributed_c10d):
-#   c10d = dist.distributed_c10d
-#   for work in dist.batch_isend_irecv([dist.P2POp(c10d.isend, mine, peer),
-#                                       dist.P2POp(c10d.irecv, theirs, peer)]):
+# or, in any order:
+#   for work in dist.batch_isend_irecv([dist.P2POp(dist.isend, mine, peer),
+#                                       dist.P2POp(dist.irecv, theirs, peer)]):
 #       work.wait()
 """)
 

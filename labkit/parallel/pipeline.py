@@ -23,9 +23,7 @@ micro-batches whose activations it held. `torch_pipeline_step` runs the same sta
 
 from __future__ import annotations
 
-import contextlib
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -238,22 +236,6 @@ def pipeline_step(
     return result
 
 
-@contextlib.contextmanager
-def _untraced_p2p() -> Iterator[None]:
-    """torch's own isend/irecv while inside: `P2POp` accepts only those very functions.
-
-    A tracer (labkit's rank-side `trace.install`) replaces `dist.isend` and `dist.irecv` with
-    wrappers, and `P2POp(dist.isend, ...)`, which torch.distributed.pipelining builds, then
-    raises "Invalid op". The batch call that runs the ops is still traced.
-    """
-    saved = dist.isend, dist.irecv
-    dist.isend, dist.irecv = (getattr(f, "__labkit_traced__", f) for f in saved)
-    try:
-        yield
-    finally:
-        dist.isend, dist.irecv = saved
-
-
 def torch_pipeline_step(
     stage_module: nn.Module,
     x: torch.Tensor | None,
@@ -278,13 +260,12 @@ def torch_pipeline_step(
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     runner = cls(pipe_stage, n_microbatches=num_microbatches, loss_fn=loss_fn)
     losses: list[torch.Tensor] = []
-    with _untraced_p2p():
-        if stage == 0 and stage == num_stages - 1:
-            runner.step(x, target=y, losses=losses)
-        elif stage == 0:
-            runner.step(x)
-        elif stage == num_stages - 1:
-            runner.step(target=y, losses=losses)
-        else:
-            runner.step()
+    if stage == 0 and stage == num_stages - 1:
+        runner.step(x, target=y, losses=losses)
+    elif stage == 0:
+        runner.step(x)
+    elif stage == num_stages - 1:
+        runner.step(target=y, losses=losses)
+    else:
+        runner.step()
     return torch.stack(losses).mean().detach() if losses else None
