@@ -41,6 +41,7 @@ import zmq
 from labkit import spawn
 from labkit.capture import LOG_HEADER
 from labkit.live import LiveStatus
+from labkit.output import RankOutput
 from labkit.policy import BACKENDS, DEVICES, Choice, check_world_size, choose
 from labkit.protocol import AuthenticationError, Codec, new_key
 from labkit.ranks import parse_ranks
@@ -48,7 +49,6 @@ from labkit.results import CellState, LabError, RankResult, RemoteError, Results
 from labkit.watchdog import diagnose
 
 START_TIMEOUT = 120.0
-MAX_SHOWN = 1 << 20  # characters of output shown per rank per cell; the log keeps everything
 HEARTBEAT_LOST = 10.0  # seconds of silence after which an attached rank counts as gone
 STOP_GRACE = 2.0  # seconds ranks get to stop after SIGINT before they are restarted
 _COLLECTIVE = re.compile(
@@ -146,10 +146,7 @@ class Lab:
         self.closed = False
         self._cell = 0
         self._seen_seq: dict[int, int] = {}
-        self._outputs: dict[int, list[str]] = {}
-        self._line_start: dict[tuple[int, str], bool] = {}
-        self._shown: dict[int, int] = {}  # characters shown per rank in this cell
-        self.max_shown = MAX_SHOWN
+        self.output = RankOutput()
         self._lock = threading.RLock()
         self._io = threading.Thread(target=self._io_loop, name="labkit-io", daemon=True)
         self._io.start()
@@ -597,37 +594,8 @@ class Lab:
                 warnings.warn(f"labkit rejected a message: {rest[0]}", LabkitWarning, stacklevel=3)
 
     def _show_stream(self, msg: dict[str, Any]) -> None:
-        import sys
-
-        rank, text = msg["rank"], msg["text"]
-        self._seen_seq[rank] = msg["seq"]
-        out = sys.stderr if msg["name"] == "stderr" else sys.stdout
-        shown = self._shown.get(rank, 0)
-        self._shown[rank] = shown + len(text)
-        if shown >= self.max_shown:
-            return
-        key = (rank, msg["name"])  # stdout and stderr each have their own line start
-        if (
-            shown + len(text) > self.max_shown
-        ):  # a flood: show the first part, say where the rest is
-            text = text[: self.max_shown - shown]
-            text += (
-                f"{'' if text.endswith(chr(10)) else chr(10)}... output truncated after "
-                f"{self.max_shown >> 10} KiB; the full output is in `%lab logs {rank}`\n"
-            )
-            self._line_start[key] = True
-        self._outputs.setdefault(rank, []).append(text)
-        pieces = re.split(r"(?<=[\n\r])", text)
-        tagged = []
-        for piece in pieces:
-            if not piece:
-                continue
-            if self._line_start.get(key, True):
-                tagged.append(f"[rank {rank}] ")
-            tagged.append(piece)
-            self._line_start[key] = piece.endswith(("\n", "\r"))
-        out.write("".join(tagged))
-        out.flush()
+        self._seen_seq[msg["rank"]] = msg["seq"]
+        self.output.show(msg)
 
     def _catch_up_streams(self, replies: dict[int, dict[str, Any]]) -> None:
         """Output travels beside replies: wait (briefly) for every line sent before `done`."""
@@ -705,9 +673,7 @@ class Lab:
     def _run_cell(
         self, cell: int, msg: dict[str, Any], targets: list[int], timeout: float | None
     ) -> Results:
-        self._outputs = {r: [] for r in targets}
-        self._line_start = {}
-        self._shown = {}
+        self.output.reset()
         replies: dict[int, dict[str, Any]] = {}
         live = LiveStatus(targets, lab=self)
         started = time.monotonic()
@@ -856,7 +822,7 @@ class Lab:
             results[r] = RankResult(
                 r,
                 m.get("value"),
-                "".join(self._outputs.get(r, [])),
+                self.output.of(r),
                 m.get("duration", 0.0),
                 err,
                 m.get("display"),
@@ -870,7 +836,7 @@ class Lab:
             targets = self.ranks(ranks)
             self._cell += 1
             msg["id"] = self._cell
-            self._outputs = {}
+            self.output.reset()
             self._send(targets, msg)
             try:
                 replies = self._pump(
