@@ -13,10 +13,13 @@ pipe and waits until the reader has forwarded everything written before it.
 
 from __future__ import annotations
 
+import array
 import codecs
+import fcntl
 import os
 import select
 import sys
+import termios
 import threading
 from collections.abc import Callable
 from typing import BinaryIO
@@ -25,6 +28,13 @@ MARKER = b"\x1e\x1flabkit-flush\x1f\x1e"
 CHUNK = 64 * 1024
 LOG_HEADER = "----- labkit "  # starts the line a rank writes to its log when it starts
 QUIET = 0.05  # seconds before a partial line is forwarded
+
+
+def _unread(fd: int) -> int:
+    """Bytes waiting in a pipe."""
+    buf = array.array("i", [0])
+    fcntl.ioctl(fd, termios.FIONREAD, buf)
+    return buf[0]
 
 
 class _Reader(threading.Thread):
@@ -37,6 +47,7 @@ class _Reader(threading.Thread):
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
         self.pending = b""
         self.flushed = threading.Semaphore(0)
+        self.busy = False  # between a select() that woke and the bytes being forwarded
 
     def _emit(self, data: bytes) -> None:
         if not data:
@@ -75,23 +86,35 @@ class _Reader(threading.Thread):
         self._emit(self.pending[:cut])
         self.pending = self.pending[cut:]
 
+    def idle(self) -> bool:
+        """Nothing written is waiting to be forwarded (checked by the rank's main thread).
+
+        `busy` is set before each read and cleared after the bytes are forwarded, so if the
+        pipe reads empty, whatever was in it is either forwarded already or still `busy`.
+        """
+        return not self.busy and not self.pending and _unread(self.fd) == 0
+
     def run(self) -> None:
         while True:
             quiet = bool(self.pending) and self._marker_prefix_len() < len(self.pending)
             ready, _, _ = select.select([self.fd], [], [], QUIET if quiet else None)
-            if not ready:
-                self._emit_pending()  # a partial line, quiet for a while: show it
-                continue
+            self.busy = True
             try:
-                data = os.read(self.fd, CHUNK)
-            except BlockingIOError:
-                continue
-            if not data:
-                self._emit(self.pending)
-                return
-            self._take(data)
-            if len(self.pending) > CHUNK:  # a very long line: forward it in pieces
-                self._emit_pending()
+                if not ready:
+                    self._emit_pending()  # a partial line, quiet for a while: show it
+                    continue
+                try:
+                    data = os.read(self.fd, CHUNK)
+                except BlockingIOError:
+                    continue
+                if not data:
+                    self._emit(self.pending)
+                    return
+                self._take(data)
+                if len(self.pending) > CHUNK:  # a very long line: forward it in pieces
+                    self._emit_pending()
+            finally:
+                self.busy = False
 
 
 class Capture:
@@ -137,6 +160,8 @@ class Capture:
                 stream.flush()
             except (AttributeError, OSError, ValueError):
                 pass
+        if all(reader.idle() for reader in self.readers):
+            return  # the common quiet cell: no marker round trip, no thread wake-ups
         for fd in (1, 2):
             os.write(fd, MARKER)
         for reader in self.readers:

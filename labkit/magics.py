@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shlex
 from typing import Any
@@ -26,6 +27,7 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{message}\n{self.format_usage()}")
 
 
+@functools.cache
 def _lab_parser() -> _Parser:
     p = _Parser(prog="%lab", add_help=False)
     sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
@@ -51,6 +53,7 @@ def _lab_parser() -> _Parser:
     return p
 
 
+@functools.cache
 def _ranks_parser() -> _Parser:
     p = _Parser(prog="%%ranks", add_help=False)
     p.add_argument("ranks", nargs="?")
