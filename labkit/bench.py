@@ -7,7 +7,8 @@
 - `Lab(n)` ready, cold (a fresh process, torch not yet imported; floor: `import torch`),
   target 1.6 s; and with the fork server already warm (after `%load_ext labkit`);
 - `lab.restart()`, median of 5; target 0.4 s;
-- `lab.pull` of 16 MB from each rank, aggregate (floor: a memcpy of the same bytes); 1.5 GB/s;
+- `lab.pull` of 16 MB from each rank, aggregate, median of 15 (floor: a memcpy of the same
+  bytes); 1.5 GB/s;
 - a 1 MB all_reduce with tracing on vs off (raw torch.distributed), median of 200; +5 %;
 - kernel RSS growth over N `%%ranks` cells; 20 MB.
 
@@ -84,7 +85,7 @@ def pull_bandwidth(n: int) -> tuple[float, float]:
     lab.run("big = torch.randn(4, 1024, 1024)")  # 16 MiB per rank
     lab.pull("big")
     times = []
-    for _ in range(5):
+    for _ in range(15):  # this VM's bandwidth swings between runs: take a median of many
         t0 = time.perf_counter()
         lab.pull("big")
         times.append(time.perf_counter() - t0)
