@@ -9,7 +9,7 @@ through `_render_traceback_`, like ipyparallel's remote errors.
 from __future__ import annotations
 
 import html
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -135,4 +135,3 @@ class CellState:
     line: int | None = None
     op: dict[str, Any] | None = None
     blocked_s: float = 0.0
-    extra: dict[str, Any] = field(default_factory=dict)
