@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from labkit.parallel.checkpoint import save_checkpoint
-from labkit.parallel.data import make_mlp, replica_report, train_reference, train_sync_sgd
+from labkit.parallel.data_parallel import make_mlp, replica_report, train_reference, train_sync_sgd
 from labkit.parallel.datasets import load_digits
 
 

@@ -2,7 +2,7 @@
 
 Kernel side: `Lab` (start ranks, run code on them, pull and push values), the views, and the
 IPython extension (`%load_ext labkit`). Rank side: `span` marks compute regions for the
-timeline. Names load lazily, so a rank importing `labkit.worker` never pulls in the kernel's
+timeline. Names load lazily, so a rank importing `labkit.rank.worker` never pulls in the kernel's
 dependencies (IPython, ipywidgets, plotly).
 """
 
@@ -34,14 +34,14 @@ __all__ = [
 ]
 
 _LAZY = {
-    "Lab": "labkit.lab",
-    "LabkitWarning": "labkit.lab",
-    "current": "labkit.lab",
-    "LabError": "labkit.results",
-    "RemoteError": "labkit.results",
-    "Results": "labkit.results",
-    "RankResult": "labkit.results",
-    "span": "labkit.trace",
+    "Lab": "labkit.kernel.lab",
+    "LabkitWarning": "labkit.kernel.lab",
+    "current": "labkit.kernel.lab",
+    "LabError": "labkit.kernel.results",
+    "RemoteError": "labkit.kernel.results",
+    "Results": "labkit.kernel.results",
+    "RankResult": "labkit.kernel.results",
+    "span": "labkit.rank.trace",
     "show_tensors": "labkit.views",
     "show_placement": "labkit.views",
     "show_timeline": "labkit.views",
@@ -60,7 +60,7 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    from labkit.magics import load
+    from labkit.kernel.magics import load
 
     load(ipython)
     prewarm()
@@ -73,7 +73,7 @@ def prewarm() -> None:
     LABKIT_PREWARM=0 to turn it off.
     """
     if os.environ.get("LABKIT_PREWARM", "1") != "0":
-        from labkit import spawn
+        from labkit.kernel import spawn
 
         spawn.prewarm()
 

@@ -2,6 +2,6 @@
 
 import sys
 
-from labkit.cli import main
+from labkit.tools.cli import main
 
 sys.exit(main())

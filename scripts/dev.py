@@ -5,7 +5,7 @@ labkit with its test extras in editable mode, then runs the command:
 
 - lab:   JupyterLab on notebooks/ (http://127.0.0.1:8888)
 - test:  the test suite (installs Debian's chromium for the browser test when it can)
-- bench: the performance benchmark (python -m labkit.bench)
+- bench: the performance benchmark (python -m labkit.tools.bench)
 - check: every notebook top to bottom (labkit check)
 
 Set LABKIT_TORCH to install another torch requirement (e.g. "torch" for the newest).
@@ -68,7 +68,7 @@ def main() -> int:
         ensure_chromium()
         return subprocess.call([PY, "-m", "pytest", *rest])
     if cmd == "bench":
-        return subprocess.call([PY, "-m", "labkit.bench", *rest])
+        return subprocess.call([PY, "-m", "labkit.tools.bench", *rest])
     if cmd == "check":
         return subprocess.call([PY, "-m", "labkit", "check", *rest])
     print(__doc__, file=sys.stderr)

@@ -46,7 +46,7 @@ def start_torchrun(endpoint: str, key_file: str, nnodes: int = 2) -> list[subpro
             "--master-addr=127.0.0.1",
             f"--master-port={port}",
             "-m",
-            "labkit.worker",
+            "labkit.rank",
             "--connect",
             endpoint,
             "--key-file",
@@ -95,7 +95,7 @@ def attached():
 def test_attach_prints_the_command_and_keeps_the_key_private(attached):
     lab, _ = attached
     assert lab.endpoint.startswith("127.0.0.1:")
-    assert "-m labkit.worker --connect 127.0.0.1:" in lab.command
+    assert "-m labkit.rank --connect 127.0.0.1:" in lab.command
     assert "--nproc-per-node=2" in lab.command and lab.key_file in lab.command
     assert os.stat(lab.key_file).st_mode & 0o777 == 0o600
     assert "attached from torchrun" in lab.choice.reason and lab.world_size == 2
@@ -119,7 +119,7 @@ def test_tracing_and_logs(attached):
     lab.run("x = torch.ones(100)\ndist.all_reduce(x)\nprint('logged line', rank)")
     recs = lab.trace()
     assert sorted((r.rank, r.op) for r in recs) == [(0, "all_reduce"), (1, "all_reduce")]
-    from labkit.magics import read_log
+    from labkit.kernel.magics import read_log
 
     assert "logged line 1" in read_log(lab.log_dir, 1, lab.world_size, 50)
 

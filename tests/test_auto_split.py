@@ -25,7 +25,7 @@ from labkit.parallel.auto_split import (
     partition_uniform,
     profile_layers,
 )
-from labkit.parallel.pipeline import pipeline_step
+from labkit.parallel.pipeline_parallel import pipeline_step
 
 HEURISTICS = (partition_uniform, partition_by_params, partition_greedy)
 

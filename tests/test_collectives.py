@@ -10,7 +10,7 @@ import cloudpickle
 import pytest
 import torch
 
-import labkit.exercises.collectives as ex
+import labkit.exercises.collective_checks as ex
 
 pytestmark = pytest.mark.timeout(120)
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this module

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from labkit.parallel.data import make_mlp, train_reference
+from labkit.parallel.data_parallel import make_mlp, train_reference
 from labkit.parallel.datasets import load_digits
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -120,7 +120,7 @@ def test_rank_dies_mid_collective(lab, how, code, match):
     assert match in str(info.value)
     assert "before-fault 2" in log_of(lab, 2)  # drained from its pipe after it died
     assert "before-fault 2" in str(info.value)  # and shown as its last output
-    from labkit.magics import read_log
+    from labkit.kernel.magics import read_log
 
     assert "before-fault 2" in read_log(lab.log_dir, 2, lab.world_size, 50)  # %lab logs 2
     if how == "segfault":
@@ -274,7 +274,7 @@ def test_partial_line_shows_without_newline(lab, capsys):
 # -- values and interactive calls ------------------------------------------------------------
 def test_huge_and_unpicklable_values(lab):
     res = lab.run(
-        "import labkit.worker as w\nold, w.MAX_VALUE_BYTES = w.MAX_VALUE_BYTES, 1000\n"
+        "import labkit.rank.worker as w\nold, w.MAX_VALUE_BYTES = w.MAX_VALUE_BYTES, 1000\n"
         "torch.zeros(10_000)",
         ranks=0,
     )

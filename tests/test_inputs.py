@@ -2,8 +2,8 @@
 
 import pytest
 
-from labkit.policy import check_world_size, choose
-from labkit.ranks import parse_ranks
+from labkit.kernel.policy import check_world_size, choose
+from labkit.kernel.rank_spec import parse_ranks
 
 CPU = {"gpus": 0, "nccl": False, "cpus": 2}
 GPU1 = {"gpus": 1, "nccl": True, "cpus": 16}

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from labkit import live
-from labkit.results import CellState
+from labkit.kernel import live
+from labkit.kernel.results import CellState
 
 
 def blocked(rank: int = 1) -> CellState:

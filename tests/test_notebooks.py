@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from labkit.cli import run_notebook
+from labkit.tools.cli import run_notebook
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))

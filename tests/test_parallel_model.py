@@ -10,7 +10,7 @@ import torch
 from distributed import run_ranks
 from torch import nn
 
-from labkit.parallel.model import (
+from labkit.parallel.layer_split import (
     all_reduce_gradients,
     forward_backward_step,
     grid_groups,

@@ -11,8 +11,8 @@ import torch
 from distributed import run_ranks
 from torch import nn
 
-from labkit.parallel.model import split_sequential
-from labkit.parallel.pipeline import (
+from labkit.parallel.layer_split import split_sequential
+from labkit.parallel.pipeline_parallel import (
     SCHEDULES,
     bubble_fraction,
     bubble_overhead,

@@ -11,7 +11,7 @@ import torch
 from distributed import run_ranks
 from torch import nn
 
-from labkit.parallel.tensor import (
+from labkit.parallel.tensor_parallel import (
     ColumnParallelLinear,
     ParallelMLP,
     ParallelSelfAttention,

@@ -1,4 +1,4 @@
-"""labkit.placement (rank side) and show_placement (kernel side).
+"""labkit.rank.placement_probe (rank side) and show_placement (kernel side).
 
 Replicated, split-by-layers and DTensor-sharded models; memory bytes and the 16 B/param Adam
 prediction; the shared-device note; that the rank-side module imports no notebook packages.
@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/ has no __init__; spawned
 from distributed import run_ranks
 from test_views_fakes import FakeLab
 
-from labkit.placement import activation_bytes, describe_model, optimizer_slots
+from labkit.rank.placement_probe import activation_bytes, describe_model, optimizer_slots
 from labkit.views import memory_by_rank, merge_placement, show_placement
 
 pytestmark = pytest.mark.filterwarnings("error::labkit.views.ViewWarning")
@@ -122,7 +122,8 @@ def test_shared_gpu_note_and_static_html() -> None:
 
 
 def test_rank_side_module_imports_no_notebook_packages() -> None:
-    code = ("import sys, labkit.placement; bad = [m for m in ('IPython', 'ipywidgets', 'plotly') "
+    code = ("import sys, labkit.rank.placement_probe; "
+            "bad = [m for m in ('IPython', 'ipywidgets', 'plotly') "
             "if m in sys.modules]; assert not bad, bad")  # fmt: skip
     env = dict(os.environ, PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))
     subprocess.run([sys.executable, "-c", code], check=True, env=env, timeout=60)

@@ -6,7 +6,7 @@ import pickle
 import pytest
 import torch
 
-from labkit.protocol import AuthenticationError, Codec, new_key
+from labkit.wire.codec import AuthenticationError, Codec, new_key
 
 
 class Boom:

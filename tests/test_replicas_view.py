@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.views.replicas import drift_summary, replica_rows, show_replicas
+from labkit.views.replicas_view import drift_summary, replica_rows, show_replicas
 
 SAME = {"checksums": [7, 7, 7], "max_abs_diff": 0.0, "per_param": {"0.weight": 0.0},
         "identical": True}  # fmt: skip

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.parallel.ring import RingStep, ring_bytes_per_rank, ring_schedule
+from labkit.parallel.ring_allreduce import RingStep, ring_bytes_per_rank, ring_schedule
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,7 +53,7 @@ def test_bytes_per_rank_formula() -> None:
 
 def _ring_on(lab, code_group: str, length: int):
     lab.run(
-        f"from labkit.parallel.ring import ring_all_reduce\n"
+        f"from labkit.parallel.ring_allreduce import ring_all_reduce\n"
         f"group = {code_group}\n"
         f"torch.manual_seed(rank)\n"
         f"x = torch.randint(-50, 50, ({length},)).float()\n"
@@ -96,7 +96,7 @@ def test_ring_on_a_subgroup_of_three(lab) -> None:
 
 def test_recorded_steps_show_the_schedule(lab) -> None:
     lab.run(
-        "from labkit.parallel.ring import ring_all_reduce\n"
+        "from labkit.parallel.ring_allreduce import ring_all_reduce\n"
         "x = torch.full((4,), 10.0 ** rank)\n"
         "steps = ring_all_reduce(x, record=True)"
     )
@@ -116,7 +116,7 @@ def test_recorded_steps_show_the_schedule(lab) -> None:
 
 def test_naive_all_reduce_bytes_and_result(lab) -> None:
     lab.run(
-        "from labkit.parallel.ring import naive_all_reduce\n"
+        "from labkit.parallel.ring_allreduce import naive_all_reduce\n"
         "x = torch.arange(6.) * (rank + 1)\n"
         "sent = naive_all_reduce(x)"
     )
@@ -130,6 +130,7 @@ def test_naive_all_reduce_bytes_and_result(lab) -> None:
 
 def test_ring_rejects_non_contiguous(lab) -> None:
     res = lab.run(
-        "from labkit.parallel.ring import ring_all_reduce\nring_all_reduce(torch.ones(4, 4).t())"
+        "from labkit.parallel.ring_allreduce import ring_all_reduce\n"
+        "ring_all_reduce(torch.ones(4, 4).t())"
     )
     assert all("contiguous" in e["message"] for e in res.errors.values()) and len(res.errors) == 4

@@ -10,8 +10,8 @@ from labkit.parallel.auto_split import (
     partition_optimal,
     partition_uniform,
 )
-from labkit.parallel.pipeline import StageEvent, make_schedule
-from labkit.views.schedule import (
+from labkit.parallel.pipeline_parallel import StageEvent, make_schedule
+from labkit.views.schedule_view import (
     grid_figure,
     ideal_events,
     in_flight,

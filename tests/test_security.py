@@ -19,8 +19,8 @@ from conftest import pid_alive
 
 import labkit
 from labkit import LabkitWarning
-from labkit.attach import read_key_file, write_key_file
-from labkit.protocol import Codec, new_key
+from labkit.rank.torchrun_entry import read_key_file, write_key_file
+from labkit.wire.codec import Codec, new_key
 
 pytestmark = pytest.mark.timeout(120)
 

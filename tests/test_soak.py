@@ -1,13 +1,13 @@
 """A short soak: many cells and restarts in one kernel leak no memory, fds, threads or ranks.
 
-The full soak is `python -m labkit.soak --cells 5000 --restarts 200` (prints a table).
+The full soak is `python -m labkit.tools.soak --cells 5000 --restarts 200` (prints a table).
 """
 
 from __future__ import annotations
 
 import pytest
 
-from labkit.soak import soak
+from labkit.tools.soak import soak
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.parallel.ring import RingStep
-from labkit.views.stepper import Stepper, ring_grid, ring_steps, show_ring
+from labkit.parallel.ring_allreduce import RingStep
+from labkit.views.stepper_view import Stepper, ring_grid, ring_steps, show_ring
 
 
 def _records() -> dict[int, list[RingStep]]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from labkit.views.sweep import fit_alpha_beta, show_sweep, sweep_table
+from labkit.views.sweep_view import fit_alpha_beta, show_sweep, sweep_table
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -43,7 +43,7 @@ def test_table_uses_nccl_tests_factors_and_view_warns_when_oversubscribed() -> N
 
 def test_real_sweep_on_four_ranks(lab) -> None:
     rows = lab.run(
-        "from labkit.parallel.sweep import sweep\n"
+        "from labkit.parallel.collective_sweep import sweep\n"
         "sweep(['all_reduce', 'broadcast'], [4096, 1 << 16], repeats=2, warmup=1)"
     ).values_by_rank
     assert all(r == rows[0] for r in rows.values())  # the slowest rank's time, everywhere

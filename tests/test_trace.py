@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import labkit
-from labkit import trace
+from labkit.rank import trace
 
 
 @pytest.fixture(scope="module")

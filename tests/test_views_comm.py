@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from test_views_fakes import FakeLab
 
-from labkit.records import CommRecord
 from labkit.views import algbw, busbw, busbw_factor, op_summary, show_comm, traffic_matrix
+from labkit.wire.records import CommRecord
 
 pytestmark = pytest.mark.filterwarnings("error::labkit.views.ViewWarning")
 G = (0, 1, 2)

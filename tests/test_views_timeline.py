@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 from test_views_fakes import FakeLab
 
-from labkit.records import CommRecord, SpanRecord, to_dict
 from labkit.views import ViewWarning, show_timeline, timeline_summary
 from labkit.views._common import IDLE_COLOUR, op_colour
+from labkit.wire.records import CommRecord, SpanRecord, to_dict
 
 pytestmark = pytest.mark.filterwarnings("error::labkit.views.ViewWarning")
 T0 = 100.0  # records are on the kernel clock; the chart starts at the first one

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from labkit.watchdog import diagnose
+from labkit.kernel.watchdog import diagnose
 
 
 def op(name="all_reduce", seq=1, group=(0, 1), peer=None, shape=(4,), dtype="float32", s=2.0):

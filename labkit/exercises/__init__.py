@@ -1,6 +1,6 @@
 """Exercise checkers for the notebooks (kernel side).
 
-Each notebook's exercises live in a module here (`labkit.exercises.collectives`, ...). A
+Each notebook's exercises live in a module here (`labkit.exercises.collective_checks`, ...). A
 checker runs the learner's answer (often a function, run on the ranks with `lab.run`) against
 a reference and returns a `Verdict`, which shows as a green "right" or a red "not yet" with
 what differed. `reveal(text)` shows a solution only when the learner asks for it.

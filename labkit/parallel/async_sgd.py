@@ -8,7 +8,8 @@ repeats: pull (w, v_k) from the server, compute the gradient g on a batch of its
 
 so a gradient may have been computed on weights that are `staleness` updates old. A slow
 worker (a straggler) never holds the others up, but its gradients arrive stale. Synchronous
-SGD (labkit.parallel.data) is the opposite trade: no staleness, everyone waits for the slowest.
+SGD (labkit.parallel.data_parallel) is the opposite trade: no staleness, everyone waits for the
+slowest.
 
 Wire format (all on the default group, tag 0), every message starts with an int64 header
 [kind, version]:
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.utils import parameters_to_vector, vector_to_parameters
 
-from labkit.parallel.data import broadcast_parameters
+from labkit.parallel.data_parallel import broadcast_parameters
 from labkit.parallel.datasets import batches, partition
 
 __all__ = ["DONE", "PARAMS", "PULL", "PUSH", "run_parameter_server"]

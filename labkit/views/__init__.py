@@ -8,11 +8,11 @@ public `pull`, `run`, `trace` and `ranks_info`.
 
 from labkit.views._common import ViewWarning, human_bytes
 from labkit.views.bandwidth import algbw, busbw, busbw_factor
-from labkit.views.comm import CommView, op_summary, show_comm, traffic_matrix
-from labkit.views.placement import PlacementView, show_placement
+from labkit.views.comm_view import CommView, op_summary, show_comm, traffic_matrix
 from labkit.views.placement_data import memory_by_rank, merge_placement
-from labkit.views.tensors import TensorView, show_tensors
-from labkit.views.timeline import TimelineView, show_timeline, timeline_summary
+from labkit.views.placement_view import PlacementView, show_placement
+from labkit.views.tensor_view import TensorView, show_tensors
+from labkit.views.timeline_view import TimelineView, show_timeline, timeline_summary
 
 __all__ = [
     "CommView",

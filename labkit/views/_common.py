@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from labkit.records import CommRecord, SpanRecord, from_dict
+from labkit.wire.records import CommRecord, SpanRecord, from_dict
 
 Record = CommRecord | SpanRecord
 PLOTLY_MIME = "application/vnd.plotly.v1+json"

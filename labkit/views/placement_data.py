@@ -1,7 +1,7 @@
 """Merging placement rows from all ranks and predicting memory (kernel side, pure data).
 
-The rows come from `labkit.placement.describe_model` on each rank. Nothing here draws; the
-placement view and tests use these functions directly.
+The rows come from `labkit.rank.placement_probe.describe_model` on each rank. Nothing here
+draws; the placement view and tests use these functions directly.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 `install()` wraps the point-to-point and collective functions of `torch.distributed` in place,
 so user code keeps calling the real API (`dist.all_reduce(x)`) and each call leaves a
-`labkit.records.CommRecord`: op, per-group sequence number, group ranks, peer, bytes, dtype and
+`labkit.wire.records.CommRecord`: op, per-group sequence number, group ranks, peer, bytes, dtype and
 shape, start and end, and the cell line that made it. Async calls (`async_op=True`, `isend`,
 `irecv`) are completed when their work's `wait()` returns or its future completes.
 
@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from labkit.records import CommRecord, SpanRecord
+from labkit.wire.records import CommRecord, SpanRecord
 
 # op name -> (argument holding the tensor(s), argument naming the peer or root)
 OPS: dict[str, tuple[str | None, str | None]] = {

@@ -65,7 +65,7 @@ def diagnose(
     `running` holds the ranks still executing the cell; `why_not[r]` says why a rank is not
     ("finished", "raised ZeroDivisionError", "not in this cell", "died"). `progress[r]`, where
     known, counts the collectives rank r called per group and its p2p messages per peer
-    (`labkit.trace.progress`): a peer that finished after doing its side of an op is no reason
+    (`labkit.rank.trace.progress`): a peer that finished after doing its side of an op is no reason
     to call that op stuck before `LONG_GRACE` (it completes once the bytes arrive, however
     loaded the machine).
     """

@@ -13,7 +13,7 @@ from typing import Any
 
 from labkit.exercises import Verdict, reveal, right, wrong
 from labkit.parallel.auto_split import LayerCost, partition_optimal
-from labkit.parallel.pipeline import stage_order
+from labkit.parallel.pipeline_parallel import stage_order
 
 __all__ = [
     "CATEGORIES",

@@ -1,8 +1,9 @@
 """Which parameter lives on which rank and device, and what each rank's memory holds (kernel).
 
-`show_placement(lab, "model", optimizer="opt")` runs `labkit.placement.describe_model` on every
-rank and merges the rows; `show_placement(rows)` takes rows already gathered (a list, or
-`{rank: rows}`). Each parameter is classified across ranks:
+`show_placement(lab, "model", optimizer="opt")` runs
+`labkit.rank.placement_probe.describe_model` on every rank and merges the rows;
+`show_placement(rows)` takes rows already gathered (a list, or `{rank: rows}`). Each parameter
+is classified across ranks:
 
 - replicated: every rank holds the whole tensor (data parallel);
 - split: only some ranks hold it (a model split by layers, pipeline stages);
@@ -213,7 +214,7 @@ def _dotted(expr: str, what: str) -> str:
 
 def _gather(lab: Any, name: str, optimizer: str | None) -> list[dict[str, Any]]:
     code = (
-        "import labkit.placement as _lk_placement\n"
+        "import labkit.rank.placement_probe as _lk_placement\n"
         f"_lk_placement.describe_model({_dotted(name, 'name')}, name={name!r}, "
         f"optimizer={_dotted(optimizer, 'optimizer') if optimizer else 'None'}, "
         "rank=globals().get('rank'))"
@@ -237,7 +238,7 @@ def show_placement(
     """Draw where every parameter lives and each rank's memory (kernel side).
 
     With a lab, `name` (and `optimizer`, a name too) are evaluated on every rank by
-    `labkit.placement.describe_model`; otherwise `lab_or_rows` is a list of its rows or
+    `labkit.rank.placement_probe.describe_model`; otherwise `lab_or_rows` is a list of its rows or
     `{rank: rows}`. `predicted` overrides the formula prediction (bytes, one total or per rank).
     """
     info: list[dict[str, Any]] = []
@@ -251,7 +252,9 @@ def show_placement(
     elif isinstance(lab_or_rows, Sequence):
         rows = [dict(r) for r in lab_or_rows]
     else:
-        raise ValueError("show_placement needs a lab or rows from labkit.placement.describe_model")
+        raise ValueError(
+            "show_placement needs a lab or rows from labkit.rank.placement_probe.describe_model"
+        )
     if not rows:
         raise ValueError(f"no placement rows: does {name!r} hold parameters on any rank?")
     merged = merge_placement(rows, world_size)

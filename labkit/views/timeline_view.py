@@ -19,7 +19,6 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from labkit.records import CommRecord, SpanRecord
 from labkit.views._common import (
     IDLE_COLOUR,
     Record,
@@ -32,6 +31,7 @@ from labkit.views._common import (
     warning_html,
 )
 from labkit.views.bandwidth import algbw, busbw_factor
+from labkit.wire.records import CommRecord, SpanRecord
 
 __all__ = ["TimelineView", "show_timeline", "timeline_summary"]
 

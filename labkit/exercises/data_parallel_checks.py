@@ -41,7 +41,7 @@ def check_average_gradients(lab: Any, fn: Callable[[Any], None]) -> Verdict:
     def task(rank: int, world_size: int) -> list[torch.Tensor]:
         import torch.nn.functional as F
 
-        from labkit.parallel.data import make_mlp
+        from labkit.parallel.data_parallel import make_mlp
         from labkit.parallel.datasets import load_digits
 
         X, y = load_digits()
@@ -54,7 +54,7 @@ def check_average_gradients(lab: Any, fn: Callable[[Any], None]) -> Verdict:
     results = lab.run(task)
     if (bad := _raised(results)) is not None:
         return bad
-    from labkit.parallel.data import make_mlp
+    from labkit.parallel.data_parallel import make_mlp
     from labkit.parallel.datasets import load_digits
 
     X, y = load_digits()
@@ -91,7 +91,7 @@ def check_max_replica_diff(lab: Any, fn: Callable[[Any], Any]) -> Verdict:
     max_r(w) - min_r(w) over all weights w of the replicas (0.0 when they are identical)."""
 
     def task(rank: int, world_size: int) -> list[float]:
-        from labkit.parallel.data import make_mlp, replica_report
+        from labkit.parallel.data_parallel import make_mlp, replica_report
 
         out = []
         for case in ("same", "one_rank_off", "all_apart"):
@@ -135,7 +135,7 @@ def check_broadcast_parameters(lab: Any, fn: Callable[[Any], None]) -> Verdict:
     every rank's parameters bit-identical to rank 0's (what DDP does when it is built)."""
 
     def task(rank: int) -> list[torch.Tensor]:
-        from labkit.parallel.data import make_mlp
+        from labkit.parallel.data_parallel import make_mlp
 
         model = make_mlp(seed=100 + rank)
         fn(model)
@@ -144,7 +144,7 @@ def check_broadcast_parameters(lab: Any, fn: Callable[[Any], None]) -> Verdict:
     results = lab.run(task)
     if (bad := _raised(results)) is not None:
         return bad
-    from labkit.parallel.data import make_mlp
+    from labkit.parallel.data_parallel import make_mlp
 
     expected = [p.detach() for p in make_mlp(seed=100).parameters()]
     for r, params in sorted(results.values_by_rank.items()):
@@ -174,7 +174,7 @@ def check_clip_global(lab: Any, fn: Callable[[list[Any], float], Any]) -> Verdic
     def task(rank: int, world_size: int) -> dict[int, torch.Tensor]:
         import torch.nn.functional as F
 
-        from labkit.parallel.data import make_mlp
+        from labkit.parallel.data_parallel import make_mlp
         from labkit.parallel.datasets import load_digits
 
         X, y = load_digits()
@@ -188,7 +188,7 @@ def check_clip_global(lab: Any, fn: Callable[[list[Any], float], Any]) -> Verdic
     results = lab.run(task)
     if (bad := _raised(results)) is not None:
         return bad
-    from labkit.parallel.data import make_mlp
+    from labkit.parallel.data_parallel import make_mlp
     from labkit.parallel.datasets import load_digits
 
     X, y = load_digits()
@@ -226,7 +226,7 @@ def check_zero_bytes(fn: Callable[[int, int, int], Any]) -> Verdict:
     """`fn(num_params, world_size, stage)` must return the bytes of weights + gradients + Adam
     state each rank holds under ZeRO `stage` (0-3) with mixed precision (2 + 2 + 12 bytes per
     parameter, a sharded part divided by world_size, rounded up to whole parameters)."""
-    from labkit.parallel.zero import zero_memory
+    from labkit.parallel.zero_redundancy import zero_memory
 
     for num_params, world_size in ((7_500_000_000, 64), (1000, 4), (1001, 8)):
         for stage in range(4):
@@ -274,7 +274,7 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
     def task(rank: int) -> dict[str, Any]:
         import time
 
-        from labkit.parallel.data import make_mlp
+        from labkit.parallel.data_parallel import make_mlp
 
         model = make_mlp(seed=200 + rank)
         save, load, locations = torch.save, torch.load, []
@@ -311,7 +311,7 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
             if "No such file" in out["error"] or "FileNotFound" in out["error"]:
                 hint = " (it read before rank 0 had written the file: a barrier is missing)"
             return wrong(f"rank {r} raised {out['error']}{hint}")
-    from labkit.parallel.data import make_mlp
+    from labkit.parallel.data_parallel import make_mlp
 
     expected = [p.detach() for p in make_mlp(seed=200).parameters()]
     for r, out in sorted(results.values_by_rank.items()):

@@ -1,9 +1,10 @@
 """Replica consistency: are the data-parallel replicas still the same model? (kernel side)
 
-Built from plain `labkit.parallel.data.replica_report` dicts, which every rank computes the same:
-checksums (one CRC-32 of all weights per rank), max_abs_diff (largest max_r(w) - min_r(w) over
-all weights), per_param (the same per parameter) and identical. Equal checksums on every rank
-and a spread of exactly 0 mean bit-identical replicas; anything else means they drifted.
+Built from plain `labkit.parallel.data_parallel.replica_report` dicts, which every rank computes
+the same: checksums (one CRC-32 of all weights per rank), max_abs_diff (largest max_r(w) -
+min_r(w) over all weights), per_param (the same per parameter) and identical. Equal checksums on
+every rank and a spread of exactly 0 mean bit-identical replicas; anything else means they
+drifted.
 
     show_replicas(report)                         one moment: a row per rank, a bar per parameter
     show_replicas({"no average": [r1, r2, ...]})  drift over steps, one line per run
@@ -31,7 +32,7 @@ def _check(report: Report) -> None:
     if missing:
         raise ValueError(
             f"a replica report needs keys checksums, max_abs_diff and identical "
-            f"(from labkit.parallel.data.replica_report); missing {sorted(missing)}"
+            f"(from labkit.parallel.data_parallel.replica_report); missing {sorted(missing)}"
         )
 
 

@@ -1,6 +1,6 @@
 """The clean parent of a lab's ranks (runs as its own process, started by the kernel).
 
-Started as `python -m labkit.forkserver KERNEL_PID`, it imports torch once, never touches CUDA
+Started as `python -m labkit.rank.fork_server KERNEL_PID`, it imports torch once, never touches CUDA
 (GPUs are counted through NVML), and then forks one rank per `spawn` request, so a start or a
 restart costs a fork instead of a torch import, and CUDA used in the kernel cannot poison a rank.
 
@@ -30,7 +30,7 @@ import signal
 import sys
 from typing import Any
 
-from labkit.capture import MARKER
+from labkit.rank.capture import MARKER
 
 PR_SET_PDEATHSIG = 1
 
@@ -112,7 +112,7 @@ class Server:
             others = [fd for fds, _ in self.pipes.values() for fd in fds]  # other ranks' pipes
             for fd in (devnull, self.wake_r, self.wake_w, self.out.fileno(), *others):
                 os.close(fd)
-            from labkit import worker
+            from labkit.rank import worker
 
             worker.run(cfg)
         finally:
@@ -223,7 +223,7 @@ def main() -> None:
     import torch  # noqa: F401 - the point of this process: import once, fork many times
     import torch.distributed  # noqa: F401
 
-    import labkit.worker  # noqa: F401 - so a fork needs no imports
+    import labkit.rank.worker  # noqa: F401 - so a fork needs no imports
 
     server.say(facts())
     server.serve()

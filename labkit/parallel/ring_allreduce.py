@@ -17,7 +17,7 @@ Each step posts its send with `isend`, receives with `recv`, then waits for the 
 rank called a blocking `send` first, each send could wait for a `recv` that its peer has not
 posted yet, the deadlock of notebook 11. With `record=True` each rank returns one `RingStep` per
 step (step 0 is the starting state) holding a copy of its buffer, chunk by chunk, so the kernel
-can show what each rank sent and held after each step (`labkit.views.stepper`).
+can show what each rank sent and held after each step (`labkit.views.stepper_view`).
 
 This module never imports IPython, ipywidgets or plotly.
 """

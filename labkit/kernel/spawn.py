@@ -1,6 +1,6 @@
 """The kernel's handle on a fork server: start it, fork ranks, signal them (kernel side).
 
-A fork server is started with `sys.executable -m labkit.forkserver` in its own session (so a
+A fork server is started with `sys.executable -m labkit.rank.fork_server` in its own session (so a
 terminal's Ctrl-C does not hit it), with stderr going to a log file. A reader thread parses its
 messages; rank exits are handed to `on_exit`. One spare server is kept warm after
 `prewarm()`, so the next `Lab` pays for a fork, not for importing torch.
@@ -32,7 +32,7 @@ class ForkServer:
         )
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "labkit.forkserver", str(os.getpid())],
+            [sys.executable, "-m", "labkit.rank.fork_server", str(os.getpid())],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,

@@ -2,7 +2,7 @@
 
 Drawing helpers for the model-parallel notebooks; each takes plain data and returns a plotly
 figure, so it is tested without ranks or a browser. Import by module path
-(`from labkit.views.schedule import schedule_figure`).
+(`from labkit.views.schedule_view import schedule_figure`).
 
 - `schedule_figure(events)`: one row per stage, one bar per forward (F) and backward (B) of a
   micro-batch, labelled with the micro-batch; grey bars are the bubble (the stage idles).

@@ -120,10 +120,12 @@ class SweepView(View):
 def show_sweep(
     rows: Iterable[dict[str, Any]], lab: Any = None, num_cpus: int | None = None
 ) -> SweepView:
-    """Plot sweep rows (from `labkit.parallel.sweep.sweep`) with fits (kernel side)."""
+    """Plot sweep rows (from `labkit.parallel.collective_sweep.sweep`) with fits (kernel side)."""
     rows = list(rows)
     if not rows:
-        raise ValueError("no sweep rows to show: run labkit.parallel.sweep.sweep() on the ranks")
+        raise ValueError(
+            "no sweep rows to show: run labkit.parallel.collective_sweep.sweep() on the ranks"
+        )
     p = rows[0]["world_size"]
     warning = oversubscription(range(p), lab, num_cpus) if (lab or num_cpus) else None
     return SweepView(rows, warning)

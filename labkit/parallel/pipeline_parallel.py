@@ -30,8 +30,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.parallel.model import LossFn, recv_tensor, send_tensor
-from labkit.records import SpanRecord
+from labkit.parallel.layer_split import LossFn, recv_tensor, send_tensor
+from labkit.wire.records import SpanRecord
 
 __all__ = [
     "SCHEDULES",

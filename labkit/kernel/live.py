@@ -16,7 +16,7 @@ from __future__ import annotations
 import html
 from typing import Any
 
-from labkit.results import CellState
+from labkit.kernel.results import CellState
 
 SHOW_AFTER = 1.0
 REFRESH = 0.25

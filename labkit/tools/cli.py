@@ -76,8 +76,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def doctor() -> dict[str, Any]:
-    from labkit import spawn
-    from labkit.policy import choose
+    from labkit.kernel import spawn
+    from labkit.kernel.policy import choose
 
     server = spawn.take()
     try:

@@ -1,7 +1,7 @@
 """The rank process: a persistent namespace that runs the kernel's cells (runs on the rank).
 
-A rank is forked by `labkit.forkserver` (or started by torchrun with `--connect`), connects two
-ZeroMQ DEALER sockets to the kernel and serves requests until told to exit:
+A rank is forked by `labkit.rank.fork_server` (or started by torchrun with `--connect`), connects
+two ZeroMQ DEALER sockets to the kernel and serves requests until told to exit:
 
 - `ctrl` (main thread only): requests in (`init`, `exec`, `pull`, `push`, `trace`, `ping`,
   `exit`), replies out (`hello`, `ready`, `done`, `pong`).
@@ -34,9 +34,9 @@ from typing import Any
 
 import zmq
 
-from labkit import trace
-from labkit.capture import Capture
-from labkit.protocol import Codec, dumps
+from labkit.rank import trace
+from labkit.rank.capture import Capture
+from labkit.wire.codec import Codec, dumps
 
 HEARTBEAT_IDLE = 1.0
 HEARTBEAT_BUSY = 0.25
@@ -456,7 +456,7 @@ def _format_error(exc: BaseException) -> dict[str, Any]:
     frames = [
         f
         for f in traceback.extract_tb(exc.__traceback__)
-        if not f.filename.endswith(os.path.join("labkit", "worker.py"))
+        if not f.filename.endswith(os.path.join("labkit", "rank", "worker.py"))
     ]
     text = "".join(traceback.format_list(frames)) if frames else ""
     text += "".join(traceback.format_exception_only(type(exc), exc))
@@ -475,9 +475,3 @@ def run(cfg: dict[str, Any]) -> None:
             time.sleep(0.2)
         finally:
             os._exit(1)
-
-
-if __name__ == "__main__":  # torchrun ... -m labkit.worker --connect HOST:PORT --key-file F
-    from labkit.attach import main
-
-    main()

@@ -31,7 +31,6 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from labkit.records import CommRecord
 from labkit.views._common import (
     View,
     html_table,
@@ -42,6 +41,7 @@ from labkit.views._common import (
     title,
 )
 from labkit.views.bandwidth import busbw_factor, canonical_op
+from labkit.wire.records import CommRecord
 
 __all__ = ["CommView", "op_summary", "show_comm", "traffic_matrix"]
 

@@ -5,7 +5,7 @@ address), writes the lab's key to a file readable only by its owner, and prints 
 run, for example
 
     torchrun --nnodes=2 --nproc-per-node=2 --rdzv-backend=c10d --rdzv-endpoint=HEAD:29500 \\
-        -m labkit.worker --connect HEAD:PORT --key-file ~/.labkit/lab.key
+        -m labkit.rank --connect HEAD:PORT --key-file ~/.labkit/lab.key
 
 Each rank torchrun starts runs `main()` below: it reads RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from torchrun's environment, says `attach` to
@@ -62,7 +62,7 @@ def torchrun_command(world_size: int, endpoint: str, key_file: str, nnodes: int 
     rdzv = "" if nnodes == 1 else " --rdzv-backend=c10d --rdzv-endpoint=HEAD_HOST:29500"
     return (
         f"torchrun --nnodes={nnodes} --nproc-per-node={per_node}{rdzv} "
-        f"-m labkit.worker --connect {endpoint} --key-file {key_file}"
+        f"-m labkit.rank --connect {endpoint} --key-file {key_file}"
     )
 
 
@@ -70,8 +70,8 @@ def _torchrun_env() -> dict[str, str]:
     missing = [k for k in ENV if k not in os.environ]
     if missing:
         raise SystemExit(
-            f"labkit.worker --connect: {', '.join(missing)} not set; start it with torchrun "
-            "(torchrun --nproc-per-node=N -m labkit.worker --connect HOST:PORT --key-file F)"
+            f"labkit.rank --connect: {', '.join(missing)} not set; start it with torchrun "
+            "(torchrun --nproc-per-node=N -m labkit.rank --connect HOST:PORT --key-file F)"
         )
     return {k: os.environ[k] for k in ENV}
 
@@ -108,8 +108,8 @@ def _handshake(endpoint: str, codec: Any, hello: dict[str, Any]) -> dict[str, An
 
 
 def main(argv: list[str] | None = None) -> None:
-    """`python -m labkit.worker --connect HOST:PORT --key-file F` (run by torchrun)."""
-    p = argparse.ArgumentParser(prog="python -m labkit.worker")
+    """`python -m labkit.rank --connect HOST:PORT --key-file F` (run by torchrun)."""
+    p = argparse.ArgumentParser(prog="python -m labkit.rank")
     p.add_argument("--connect", required=True, metavar="HOST:PORT", help="the lab's endpoint")
     p.add_argument("--key-file", required=True, help="the file Lab.attach wrote (mode 600)")
     p.add_argument("--log-dir", help="also keep each rank's output here, on this node")
@@ -118,8 +118,8 @@ def main(argv: list[str] | None = None) -> None:
     if not host or not port.isdigit():
         p.error(f"--connect takes HOST:PORT, got {args.connect!r}")
 
-    from labkit import worker
-    from labkit.protocol import Codec
+    from labkit.rank import worker
+    from labkit.wire.codec import Codec
 
     env = _torchrun_env()
     codec = Codec(read_key_file(args.key_file))

@@ -9,8 +9,8 @@ one background thread:
 
 Every call goes through `_pump`, the one loop that waits for replies. While it waits it prints
 rank output as it arrives, notices dead ranks (the fork server reports exits at once), runs the
-watchdog (`labkit.watchdog.diagnose`), shows the live status once a cell has run for a second,
-and turns Ctrl-C (the notebook's Stop button) into SIGINT on the ranks. A cell that cannot
+watchdog (`labkit.kernel.watchdog.diagnose`), shows the live status once a cell has run for a
+second, and turns Ctrl-C (the notebook's Stop button) into SIGINT on the ranks. A cell that cannot
 finish (a rank stuck in a collective, a dead peer, a hung Stop) is recovered by killing and
 re-forking the ranks; the user is told that rank variables were lost.
 
@@ -38,15 +38,15 @@ from typing import Any
 
 import zmq
 
-from labkit import spawn
-from labkit.capture import LOG_HEADER
-from labkit.live import LiveStatus
-from labkit.output import RankOutput
-from labkit.policy import BACKENDS, DEVICES, Choice, check_world_size, choose
-from labkit.protocol import AuthenticationError, Codec, new_key
-from labkit.ranks import parse_ranks
-from labkit.results import CellState, LabError, RankResult, RemoteError, Results
-from labkit.watchdog import diagnose
+from labkit.kernel import spawn
+from labkit.kernel.live import LiveStatus
+from labkit.kernel.output import RankOutput
+from labkit.kernel.policy import BACKENDS, DEVICES, Choice, check_world_size, choose
+from labkit.kernel.rank_spec import parse_ranks
+from labkit.kernel.results import CellState, LabError, RankResult, RemoteError, Results
+from labkit.kernel.watchdog import diagnose
+from labkit.rank.capture import LOG_HEADER
+from labkit.wire.codec import AuthenticationError, Codec, new_key
 
 START_TIMEOUT = 120.0
 HEARTBEAT_LOST = 10.0  # seconds of silence after which an attached rank counts as gone
@@ -57,7 +57,9 @@ _COLLECTIVE = re.compile(
 )
 
 # lines of a crash report that say nothing to a learner (labkit's and Python's own frames)
-_NOISE = re.compile(r"labkit[/\\](worker|forkserver)\.py|<frozen runpy>|^Extension modules:")
+_NOISE = re.compile(
+    r"labkit[/\\]rank[/\\](worker|fork_server)\.py|<frozen runpy>|^Extension modules:"
+)
 
 _current: Lab | None = None
 _labs: weakref.WeakSet[Lab] = weakref.WeakSet()
@@ -280,7 +282,7 @@ class Lab:
         to run. With `wait`, returns once all `world_size` ranks attached and formed their
         process group; else call `lab.wait_attached()` later.
         """
-        from labkit import attach
+        from labkit.rank import torchrun_entry as attach
 
         check_world_size(world_size)
         lab = cls(

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from labkit.exercises import Verdict, reveal, right, wrong
-from labkit.results import LabError
+from labkit.kernel.results import LabError
 
 __all__ = [
     "check_all_reduce_by_parts",
@@ -136,7 +136,7 @@ def all_reduce_by_parts(rank, world_size, device):
 def check_owner_chunk(fn: Callable[[int, int], int]) -> Verdict:
     """`fn(i, p)`: the chunk that ring position i holds fully reduced after the reduce-scatter
     phase (labkit's ring: position i sends chunk (i - s) mod p at step s). Pure; no ranks."""
-    from labkit.parallel.ring import ring_schedule
+    from labkit.parallel.ring_allreduce import ring_schedule
 
     for p in range(2, 9):
         held = [[{i} for _ in range(p)] for i in range(p)]

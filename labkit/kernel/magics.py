@@ -18,8 +18,8 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.display import HTML, display
 
-from labkit import lab as lab_module
-from labkit.results import values_html
+from labkit.kernel import lab as lab_module
+from labkit.kernel.results import values_html
 
 
 class _Parser(argparse.ArgumentParser):
