@@ -18,14 +18,15 @@ from __future__ import annotations
 
 from typing import Any
 
+from labkit.wire.records import P2P_OPS
+
 GRACE = 1.0
 LONG_GRACE = 5.0  # when every absent peer already made its side of the op
-P2P = {"send", "recv", "isend", "irecv"}
 UNDIAGNOSED = {"batch_isend_irecv"}  # a batch mixes peers and directions: Stop or timeout only
 
 
 def _p2p_peer(op: dict[str, Any]) -> int | None:
-    return op.get("peer") if op["op"] in P2P else None
+    return op.get("peer") if op["op"] in P2P_OPS else None
 
 
 def _fmt_ranks(ranks: Any) -> str:

@@ -42,7 +42,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from labkit.wire.records import CommRecord, SpanRecord
+from labkit.wire.records import P2P_OPS, CommRecord, SpanRecord
 
 # op name -> (argument holding the tensor(s), argument naming the peer or root)
 OPS: dict[str, tuple[str | None, str | None]] = {
@@ -83,9 +83,6 @@ FUNCOL_OPS: dict[str, tuple[str, bool]] = {
     "all_to_all_single": ("all_to_all_single", False),
     "all_to_all_single_autograd": ("all_to_all_single", False),
 }
-
-
-P2P_OPS = {"send", "recv", "isend", "irecv"}
 
 
 class _State:

@@ -5,7 +5,7 @@
 returned from `labkit.parallel.ring_allreduce.ring_all_reduce(..., record=True)` (`{rank:
 [RingStep]}`, a flat list, or their dict forms) and draws one grid per step: a row per rank, a
 column per chunk, each cell the rank's chunk after the step; the chunk a rank sent in that step
-is outlined in orange, the chunk it received (added or copied into its own) is filled green. """
+is outlined in orange, the chunk it received (added or copied into its own) is filled green."""
 
 from __future__ import annotations
 

@@ -11,6 +11,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+# the point-to-point ops: a record of one of these has a `peer`
+P2P_OPS = frozenset({"send", "recv", "isend", "irecv"})
+
 
 @dataclass
 class CommRecord:
