@@ -45,8 +45,8 @@ from labkit.kernel.policy import BACKENDS, DEVICES, Choice, check_world_size, ch
 from labkit.kernel.rank_spec import parse_ranks
 from labkit.kernel.results import CellState, LabError, RankResult, RemoteError, Results
 from labkit.kernel.watchdog import diagnose
-from labkit.rank.capture import LOG_HEADER
 from labkit.wire.codec import AuthenticationError, Codec, new_key
+from labkit.wire.logfile import LOG_HEADER
 
 START_TIMEOUT = 120.0
 HEARTBEAT_LOST = 10.0  # seconds of silence after which an attached rank counts as gone

@@ -24,9 +24,10 @@ import threading
 from collections.abc import Callable
 from typing import BinaryIO
 
+from labkit.wire.logfile import LOG_HEADER
+
 MARKER = b"\x1e\x1flabkit-flush\x1f\x1e"
 CHUNK = 64 * 1024
-LOG_HEADER = "----- labkit "  # starts the line a rank writes to its log when it starts
 QUIET = 0.05  # seconds before a partial line is forwarded
 
 
