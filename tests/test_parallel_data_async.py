@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from labkit.parallel import data
+from labkit.parallel import data_parallel
 from labkit.parallel.async_sgd import run_parameter_server
 from labkit.parallel.datasets import load_digits
 
@@ -21,14 +21,14 @@ def _async_rank(rank: int, world_size: int) -> dict:
     torch.set_num_threads(1)
     X, y = load_digits()
     try:  # a bad argument fails on every rank before any message is sent
-        run_parameter_server(data.make_mlp(0), X, y, STEPS, 32, 0.5, 0, delays={0: 1.0})
+        run_parameter_server(data_parallel.make_mlp(0), X, y, STEPS, 32, 0.5, 0, delays={0: 1.0})
         bad = "no error"
     except ValueError as e:
         bad = str(e)
-    model = data.make_mlp(seed=rank)  # different on purpose: the server's weights win
+    model = data_parallel.make_mlp(seed=rank)  # different on purpose: the server's weights win
     out = run_parameter_server(model, X, y, STEPS, 32, 0.5, seed=4, delays={STRAGGLER: DELAY})
     out["bad"] = bad
-    out["checksums"] = data.param_checksums(model)
+    out["checksums"] = data_parallel.param_checksums(model)
     return out
 
 

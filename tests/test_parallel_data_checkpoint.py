@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.parallel import checkpoint, data
+from labkit.parallel import checkpoint, data_parallel
 from labkit.parallel.datasets import load_digits
 
 try:
@@ -20,21 +20,21 @@ def _adam_steps(model, opt, X, y, rank, world_size, steps, first):
         idx = torch.arange(s * 64, (s + 1) * 64)[rank::world_size]
         opt.zero_grad()
         F.cross_entropy(model(X[idx]), y[idx]).backward()
-        data.average_gradients(model)
+        data_parallel.average_gradients(model)
         opt.step()
 
 
 def _checkpoint_rank(rank: int, world_size: int, path: str) -> dict:
     torch.set_num_threads(1)
     X, y = load_digits()
-    model = data.make_mlp(seed=1)
+    model = data_parallel.make_mlp(seed=1)
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     _adam_steps(model, opt, X, y, rank, world_size, steps=3, first=0)
     checkpoint.save_checkpoint(path, model, opt, extra={"step": 3})
     saved_ok = checkpoint.verify_reload(path, model, opt)
 
     # A fresh replica (different init, empty optimizer) restored from the file.
-    fresh = data.make_mlp(seed=100 + rank)
+    fresh = data_parallel.make_mlp(seed=100 + rank)
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
     extra = checkpoint.load_checkpoint(path, fresh, fresh_opt)
     restored_ok = checkpoint.verify_reload(path, fresh, fresh_opt)

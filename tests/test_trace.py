@@ -11,7 +11,8 @@ import pytest
 import torch
 
 import labkit
-from labkit.rank import trace
+from labkit.rank import trace_state
+from labkit.wire.records import CommRecord
 
 
 @pytest.fixture(scope="module")
@@ -145,17 +146,17 @@ def test_cuda_device_time() -> None:
     if not torch.cuda.is_available():
         pytest.skip("device_time comes from CUDA events: needs a GPU (CPU records leave it None)")
     t = torch.ones(1024, device="cuda")
-    event = trace._cuda_event([t])
-    rec = trace.CommRecord(rank=0, op="all_reduce", seq=1, group=(0,))
+    event = trace_state.cuda_event([t])
+    rec = CommRecord(rank=0, op="all_reduce", seq=1, group=(0,))
     t.mul_(2)
-    trace._end_event(rec, event)
+    trace_state.end_event(rec, event)
     torch.cuda.synchronize()
-    trace._resolve_events()
+    trace_state.resolve_events()
     assert rec.device_time is not None and rec.device_time >= 0
 
 
 def test_no_cuda_event_for_cpu_tensors() -> None:
-    assert trace._cuda_event([torch.ones(2)]) is None and trace._cuda_event([]) is None
+    assert trace_state.cuda_event([torch.ones(2)]) is None and trace_state.cuda_event([]) is None
 
 
 @pytest.mark.timeout(120)

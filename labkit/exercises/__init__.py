@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -54,3 +55,12 @@ def wrong(message: str) -> Verdict:
 def reveal(code: str) -> Solution:
     """A solution, shown only when a learner evaluates it."""
     return Solution(code.strip("\n"))
+
+
+def rank_error(results: Any) -> Verdict | None:
+    """The lowest rank's error in `results` (from `lab.run`) as a verdict; None when none raised."""
+    if results.errors:
+        r = min(results.errors)
+        err = results.errors[r]
+        return wrong(f"rank {r} raised {err['type']}: {err['message']}")
+    return None

@@ -1,9 +1,10 @@
-"""Exercises of the data-parallel notebooks 20-27 (kernel side).
+"""Exercises of the synchronous data-parallel notebooks 20-23 (kernel side).
 
 Each `check_*` runs the learner's function on every rank of `lab` (through `lab.run`, so the
 function must only use names it imports or the kernel defines, such as `torch` and `dist`) and
 compares what comes back with a single-process reference computed here. Each `solution_*`
-reveals one answer.
+reveals one answer. The later data-parallel notebooks have their own modules:
+`checkpoint_checks` (24), `async_sgd_checks` (25), `zero_checks` (26), `multi_node_checks` (27).
 """
 
 from __future__ import annotations
@@ -13,18 +14,10 @@ from typing import Any
 
 import torch
 
-from labkit.exercises import Verdict, reveal, right, wrong
+from labkit.exercises import Verdict, rank_error, reveal, right, wrong
 
 GLOBAL_BATCH = 128  # rows 0..127 of the digits: equal shards for 1, 2, 4 or 8 ranks
 TOL = 1e-6
-
-
-def _raised(results: Any) -> Verdict | None:
-    if results.errors:
-        r = min(results.errors)
-        err = results.errors[r]
-        return wrong(f"rank {r} raised {err['type']}: {err['message']}")
-    return None
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -52,7 +45,7 @@ def check_average_gradients(lab: Any, fn: Callable[[Any], None]) -> Verdict:
         return [p.grad.clone() for p in model.parameters()]
 
     results = lab.run(task)
-    if (bad := _raised(results)) is not None:
+    if (bad := rank_error(results)) is not None:
         return bad
     from labkit.parallel.data_parallel import make_mlp
     from labkit.parallel.datasets import load_digits
@@ -105,7 +98,7 @@ def check_max_replica_diff(lab: Any, fn: Callable[[Any], Any]) -> Verdict:
         return out
 
     results = lab.run(task)
-    if (bad := _raised(results)) is not None:
+    if (bad := rank_error(results)) is not None:
         return bad
     cases = ("identical replicas", "one rank's bias moved by 0.5", "replicas from different seeds")
     for r, vals in sorted(results.values_by_rank.items()):
@@ -142,7 +135,7 @@ def check_broadcast_parameters(lab: Any, fn: Callable[[Any], None]) -> Verdict:
         return [p.detach().clone() for p in model.parameters()]
 
     results = lab.run(task)
-    if (bad := _raised(results)) is not None:
+    if (bad := rank_error(results)) is not None:
         return bad
     from labkit.parallel.data_parallel import make_mlp
 
@@ -186,7 +179,7 @@ def check_clip_global(lab: Any, fn: Callable[[list[Any], float], Any]) -> Verdic
         return {i: p.grad.clone() for i, p in enumerate(params) if i % world_size == rank}
 
     results = lab.run(task)
-    if (bad := _raised(results)) is not None:
+    if (bad := rank_error(results)) is not None:
         return bad
     from labkit.parallel.data_parallel import make_mlp
     from labkit.parallel.datasets import load_digits
@@ -216,230 +209,4 @@ def clip_global(params, max_norm):
     coef = torch.clamp(max_norm / (sq.sqrt() + 1e-6), max=1.0)
     for g in grads:
         g.mul_(coef.to(g.dtype))
-""")
-
-
-# ------------------------------------------------------------------ 26: ZeRO bytes per rank
-
-
-def check_zero_bytes(fn: Callable[[int, int, int], Any]) -> Verdict:
-    """`fn(num_params, world_size, stage)` must return the bytes of weights + gradients + Adam
-    state each rank holds under ZeRO `stage` (0-3) with mixed precision (2 + 2 + 12 bytes per
-    parameter, a sharded part divided by world_size, rounded up to whole parameters)."""
-    from labkit.parallel.zero_redundancy import zero_memory
-
-    for num_params, world_size in ((7_500_000_000, 64), (1000, 4), (1001, 8)):
-        for stage in range(4):
-            expected = zero_memory(num_params, world_size, stage)["total"]
-            try:
-                got = fn(num_params, world_size, stage)
-            except Exception as exc:  # noqa: BLE001 - the learner's error is the verdict
-                return wrong(f"fn({num_params}, {world_size}, {stage}) raised {exc!r}")
-            if got != expected:
-                return wrong(
-                    f"stage {stage}, {num_params:,} parameters on {world_size} ranks: "
-                    f"got {got!r}, expected {expected:,} bytes"
-                )
-    return right("bytes per rank match the ZeRO formulas for stages 0-3")
-
-
-def solution_zero_bytes() -> Any:
-    return reveal("""
-def zero_bytes(num_params, world_size, stage):
-    shard = -(-num_params // world_size)              # ceil
-    params = 2 * (shard if stage >= 3 else num_params)
-    grads = 2 * (shard if stage >= 2 else num_params)
-    optimizer = 12 * (shard if stage >= 1 else num_params)
-    return params + grads + optimizer
-""")
-
-
-# ------------------------------------------------------------------ 24: save once, load everywhere
-
-SLOW_DISK = 1.0  # seconds the checker's torch.save takes on rank 0, as a slow disk would
-
-
-def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
-    """`fn(path, model)` runs on every rank: rank 0 must write its model's state_dict to `path`
-    and every rank must then load it, with a `map_location`, so that all ranks end with rank
-    0's weights, bit for bit. Every rank starts from different weights, `path` does not exist
-    yet, and rank 0's `torch.save` is slowed down by 1 s (a slow disk): a rank that reads
-    before the writer has finished fails."""
-    import os
-    import shutil
-    import tempfile
-
-    path = os.path.join(tempfile.mkdtemp(prefix="labkit-exercise-"), "model.pt")
-
-    def task(rank: int) -> dict[str, Any]:
-        import time
-
-        from labkit.parallel.data_parallel import make_mlp
-
-        model = make_mlp(seed=200 + rank)
-        save, load, locations = torch.save, torch.load, []
-
-        def slow_save(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(SLOW_DISK)
-            return save(*args, **kwargs)
-
-        def recording_load(*args: Any, **kwargs: Any) -> Any:
-            locations.append(kwargs.get("map_location", args[1] if len(args) > 1 else None))
-            return load(*args, **kwargs)
-
-        torch.save, torch.load = slow_save, recording_load
-        error = None
-        try:
-            fn(path, model)
-        except Exception as exc:  # noqa: BLE001 - reported below, after every rank is here
-            error = f"{type(exc).__name__}: {exc}"
-        finally:
-            torch.save, torch.load = save, load
-        weights = [p.detach().clone() for p in model.parameters()]
-        torch.distributed.barrier()  # the checker's own: every rank is done with the file
-        return {"weights": weights, "map_locations": [str(x) for x in locations], "error": error}
-
-    try:
-        results = lab.run(task)
-    finally:
-        shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-    if (bad := _raised(results)) is not None:
-        return bad
-    for r, out in sorted(results.values_by_rank.items()):
-        if out["error"] is not None:
-            hint = ""
-            if "No such file" in out["error"] or "FileNotFound" in out["error"]:
-                hint = " (it read before rank 0 had written the file: a barrier is missing)"
-            return wrong(f"rank {r} raised {out['error']}{hint}")
-    from labkit.parallel.data_parallel import make_mlp
-
-    expected = [p.detach() for p in make_mlp(seed=200).parameters()]
-    for r, out in sorted(results.values_by_rank.items()):
-        if not all(torch.equal(a, b) for a, b in zip(out["weights"], expected)):
-            return wrong(f"rank {r} does not hold rank 0's weights after loading")
-        if not out["map_locations"]:
-            return wrong(f"rank {r} never called torch.load")
-        if "None" in out["map_locations"]:
-            return wrong(
-                f"rank {r} called torch.load without map_location: on GPUs every rank "
-                "would load onto the device rank 0 saved from"
-            )
-    return right("rank 0 wrote once, everyone waited, and every rank loaded its weights bitwise")
-
-
-def solution_save_and_load() -> Any:
-    return reveal("""
-def save_and_load(path, model):
-    if dist.get_rank() == 0:
-        torch.save(model.state_dict(), path)
-    dist.barrier()                                  # nobody reads a half-written file
-    device = next(model.parameters()).device        # this rank's device, not rank 0's
-    model.load_state_dict(torch.load(path, map_location=device, weights_only=True))
-""")
-
-
-# ------------------------------------------------------------------ 27: where am I?
-
-NODES = 2  # the checker's pretend cluster: 2 nodes x world_size ranks
-
-
-def check_where_am_i(lab: Any, fn: Callable[[], Any]) -> Verdict:
-    """`fn()` runs on every rank and must return (rank, world_size, local_rank, node) read from
-    the torchrun variables in os.environ, node being the index of this rank's machine (nodes
-    of LOCAL_WORLD_SIZE ranks each). It runs twice: in the lab as it is (one node), and with
-    the environment torchrun would set for this process on the second of 2 nodes."""
-
-    def task(rank: int, world_size: int) -> list[Any]:
-        import os
-
-        real = dict(os.environ)
-        out = [fn()]
-        fake = {
-            "RANK": str(world_size + rank),
-            "WORLD_SIZE": str(NODES * world_size),
-            "LOCAL_RANK": str(rank),
-            "LOCAL_WORLD_SIZE": str(world_size),
-            "GROUP_RANK": "1",
-        }
-        os.environ.update(fake)
-        try:
-            out.append(fn())
-        finally:
-            os.environ.clear()
-            os.environ.update(real)
-        return [tuple(int(v) for v in o) if isinstance(o, (tuple, list)) else o for o in out]
-
-    results = lab.run(task)
-    if (bad := _raised(results)) is not None:
-        return bad
-    n = lab.world_size
-    for r, (one_node, two_nodes) in sorted(results.values_by_rank.items()):
-        cases = (
-            ("in the lab", one_node, (r, n, r, 0)),
-            (f"as rank {n + r} on node 1 of {NODES}", two_nodes, (n + r, NODES * n, r, 1)),
-        )
-        for where, got, expected in cases:
-            if got != expected:
-                return wrong(f"rank {r}, {where}: got {got!r}, expected {expected}")
-    return right("rank, world size, local rank and node agree with torchrun's variables")
-
-
-def solution_where_am_i() -> Any:
-    return reveal("""
-def where_am_i():
-    rank = int(os.environ["RANK"])
-    local_world_size = int(os.environ["LOCAL_WORLD_SIZE"])
-    return (rank, int(os.environ["WORLD_SIZE"]), int(os.environ["LOCAL_RANK"]),
-            rank // local_world_size)
-""")
-
-
-# ------------------------------------------------------------------ 25: the server's update rule
-
-
-def check_server_update(lab: Any, fn: Callable[..., Any]) -> Verdict:
-    """`fn(w, grad, version, pulled, lr)` is the parameter server's rule for one push: it must
-    return (new weights w - lr * grad, version + 1, staleness = version - pulled), leaving `w`
-    itself unchanged. The checker replays the same 6 pushes on every rank and compares."""
-    pushes = [(0, 0), (1, 0), (2, 1), (3, 3), (4, 1), (5, 5)]  # (server version, pulled version)
-
-    def task() -> list[Any]:
-        g = torch.Generator().manual_seed(0)
-        w = torch.randn(10, generator=g)
-        out = []
-        for version, pulled in pushes:
-            grad = torch.randn(10, generator=g)
-            before = w.clone()
-            new_w, new_version, staleness = fn(w, grad, version, pulled, 0.1)
-            out.append((new_w.clone(), int(new_version), int(staleness), torch.equal(w, before)))
-            w = new_w
-        return out
-
-    results = lab.run(task)
-    if (bad := _raised(results)) is not None:
-        return bad
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(10, generator=g)
-    for i, (version, pulled) in enumerate(pushes):
-        w = w - 0.1 * torch.randn(10, generator=g)
-        for r, out in sorted(results.values_by_rank.items()):
-            got_w, got_version, got_staleness, untouched = out[i]
-            if not untouched:
-                return wrong(f"push {i}: fn changed w in place; return a new tensor")
-            if got_version != version + 1:
-                return wrong(f"push {i}: version {got_version}, expected {version + 1}")
-            if got_staleness != version - pulled:
-                return wrong(
-                    f"push {i} (server at {version}, gradient from {pulled}): staleness "
-                    f"{got_staleness}, expected {version - pulled} on rank {r}"
-                )
-            if (got_w - w).abs().max().item() > TOL:
-                return wrong(f"push {i}: weights differ from w - lr * grad on rank {r}")
-    return right("new weights, version and staleness follow the server's rule for all 6 pushes")
-
-
-def solution_server_update() -> Any:
-    return reveal("""
-def server_update(w, grad, version, pulled, lr):
-    return w - lr * grad, version + 1, version - pulled
 """)

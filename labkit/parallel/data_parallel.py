@@ -1,4 +1,4 @@
-"""Data parallelism by hand: gradient averaging, replica checks, clipping, accumulation (rank side).
+"""Data parallelism by hand: gradient averaging, training, replica checks (rank side).
 
 Every rank holds a full replica of the model and a disjoint shard of each global batch of B
 samples (b = B / W per rank). After the backward pass every rank all-reduces its gradient and
@@ -11,17 +11,17 @@ replicas that start from the same weights and apply the same update stay bit-ide
 training equals one process on the whole batch (to float rounding, ~1e-6). `train_sync_sgd`
 does this with plain collectives; its `mistake` argument breaks one assumption at a time.
 
-BatchNorm must normalise with the statistics of the global batch (`sync_batch_norm`), or each
-replica normalises by its own b samples.
-Clipping must use the norm of the whole gradient, sqrt(sum_r ||g_r||^2) when each rank holds a
-disjoint piece of it; DDP's `no_sync()` skips the all_reduce while gradients accumulate.
+`replica_report` measures how far the replicas have drifted apart.
+
+What else must see the whole global batch lives beside this module: BatchNorm's statistics
+(`sync_batch_norm`), the gradient norm for clipping (`grad_clipping`), and accumulation over
+micro-batches with one all_reduce (`grad_accumulation`).
 """
 
 from __future__ import annotations
 
 import zlib
-from collections.abc import Callable, Iterable, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -33,17 +33,12 @@ from labkit.parallel.datasets import batches, partition, shard_sizes
 
 __all__ = [
     "MISTAKES",
-    "accumulate_gradients",
     "average_gradients",
     "broadcast_parameters",
-    "clip_grad_norm_global",
-    "clip_grad_norm_local",
-    "global_grad_norm",
     "make_mlp",
     "param_checksums",
     "replica_report",
     "step_batches",
-    "sync_batch_norm",
     "train_reference",
     "train_sync_sgd",
 ]
@@ -313,143 +308,3 @@ def replica_report(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
         "per_param": per_param,
         "identical": len(set(checksums)) == 1 and max_abs_diff == 0.0,
     }
-
-
-def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
-    return [p.grad for p in params if p.grad is not None]
-
-
-def global_grad_norm(
-    params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """L2 norm of a gradient split over ranks: sqrt(sum_r ||g_r||^2), g_r = this rank's pieces.
-
-    Runs on every rank; every rank must call it. Use it when each rank holds a disjoint part of
-    the gradient (ZeRO-2/3, FSDP, tensor parallel). After `average_gradients` every rank holds
-    the whole gradient, and its local norm already is the global one.
-    """
-    grads = _grads(params)
-    local_sq = sum(
-        (g.detach().double().pow(2).sum() for g in grads),
-        torch.zeros((), dtype=torch.float64),
-    )
-    dist.all_reduce(local_sq, group=group)
-    return local_sq.sqrt()
-
-
-def _scale(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
-    # Same rule as torch.nn.utils.clip_grad_norm_: scale by max_norm / (norm + 1e-6), at most 1.
-    coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
-    for g in grads:
-        g.mul_(coef.to(g.dtype))
-
-
-def clip_grad_norm_global(
-    params: Iterable[torch.Tensor],
-    max_norm: float,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Clip this rank's gradient pieces by the global norm (`global_grad_norm`); returns that norm.
-
-    Runs on every rank; every rank must call it. Equals torch's clip_grad_norm_ on the whole
-    gradient in one process.
-    """
-    if max_norm <= 0:
-        raise ValueError(f"max_norm must be > 0, got {max_norm}")
-    params = list(params)
-    total = global_grad_norm(params, group)
-    _scale(_grads(params), total, max_norm)
-    return total
-
-
-def clip_grad_norm_local(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """The classic mistake: clip by the norm of this rank's pieces only; returns that norm.
-
-    Each rank sees a smaller (or different) norm, so ranks scale by different factors and the
-    result is not the single-process clip. Needs no collective.
-    """
-    if max_norm <= 0:
-        raise ValueError(f"max_norm must be > 0, got {max_norm}")
-    grads = _grads(params)
-    total = torch.sqrt(
-        sum(
-            (g.detach().double().pow(2).sum() for g in grads),
-            torch.zeros((), dtype=torch.float64),
-        )
-    )
-    _scale(grads, total, max_norm)
-    return total
-
-
-def accumulate_gradients(
-    ddp_model: nn.parallel.DistributedDataParallel,
-    micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = F.cross_entropy,
-) -> float:
-    """Accumulate gradients over k micro-batches with one all_reduce: returns the mean loss.
-
-    Runs on every rank; every rank must call it with the same k. The first k-1 backward passes
-    run inside `ddp_model.no_sync()` (gradients only add up locally); the last one lets DDP
-    all-reduce. Each loss is divided by k, so with equal micro-batches the result is the
-    gradient of the mean loss over all k * W micro-batches: one large batch.
-    """
-    if not micro_batches:
-        raise ValueError("micro_batches must hold at least 1 (input, target) pair, got 0")
-    if not hasattr(ddp_model, "no_sync"):
-        raise ValueError(
-            f"ddp_model must be a DistributedDataParallel, got {type(ddp_model).__name__}"
-        )
-    k = len(micro_batches)
-    total = 0.0
-    for i, (x, target) in enumerate(micro_batches):
-        ctx = ddp_model.no_sync() if i < k - 1 else nullcontext()
-        with ctx:
-            loss = loss_fn(ddp_model(x), target) / k
-            loss.backward()
-        total += loss.item()
-    return total
-
-
-class _AllReduceSum(torch.autograd.Function):
-    """y = sum_r x_r on every rank; backward: dL/dx_r = sum_s dL_s/dy (also an all_reduce)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-        ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
-def sync_batch_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None = None,
-    bias: torch.Tensor | None = None,
-    eps: float = 1e-5,
-    group: dist.ProcessGroup | None = None,
-) -> torch.Tensor:
-    """Batch norm of x (N_r, C) with the mean and variance of the global batch (training mode).
-
-    Runs on every rank; every rank must call it (three all_reduces forward, three backward).
-    mean = sum_r sum_i x / N, var = sum_r sum_i (x - mean)^2 / N (biased, as BatchNorm uses to
-    normalise), N = sum_r N_r. Equals torch.nn.BatchNorm1d on the concatenated batch in one
-    process, gradients included (the all_reduces are differentiable). What nn.SyncBatchNorm
-    computes, written out so it also runs on CPU ranks (torch's needs a GPU); no running stats.
-    """
-    if x.dim() != 2:
-        raise ValueError(f"x must be 2-D (batch, channels), got shape {tuple(x.shape)}")
-    count = _AllReduceSum.apply(torch.tensor([float(x.shape[0])], dtype=x.dtype), group)
-    mean = _AllReduceSum.apply(x.sum(0), group) / count
-    var = _AllReduceSum.apply((x - mean).pow(2).sum(0), group) / count
-    out = (x - mean) / torch.sqrt(var + eps)
-    if weight is not None:
-        out = out * weight
-    if bias is not None:
-        out = out + bias
-    return out

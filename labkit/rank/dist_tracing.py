@@ -1,0 +1,187 @@
+"""Traced versions of torch.distributed's point-to-point and collective functions (rank side).
+
+`install()` replaces each function of `OPS` both in `torch.distributed` and in
+`distributed_c10d`, so code that imported them from there, `P2POp(dist.isend, ...)` (which
+checks identity) and `batch_isend_irecv` (which calls each op's function) all reach the
+wrapper; a batch leaves one `isend`/`irecv` record per op, as torch.distributed.pipelining
+issues them. Async calls (`async_op=True`, `isend`, `irecv`) complete when their work's
+`wait()` returns or its future completes (`TracedWork`).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import threading
+import time
+from typing import Any
+
+from labkit.rank.trace_state import (
+    STATE,
+    add_record,
+    cuda_event,
+    end_event,
+    group_ranks,
+    new_record,
+    tensors_of,
+)
+from labkit.wire.records import CommRecord
+
+# op name -> (argument holding the tensor(s), argument naming the peer or root)
+OPS: dict[str, tuple[str | None, str | None]] = {
+    "send": ("tensor", "dst"),
+    "recv": ("tensor", "src"),
+    "isend": ("tensor", "dst"),
+    "irecv": ("tensor", "src"),
+    "broadcast": ("tensor", "src"),
+    "scatter": ("tensor", "src"),
+    "gather": ("tensor", "dst"),
+    "reduce": ("tensor", "dst"),
+    "all_reduce": ("tensor", None),
+    "all_gather": ("tensor_list", None),  # bytes: the whole gathered buffer, as nccl-tests
+    "all_gather_into_tensor": ("output_tensor", None),
+    "all_gather_single": ("output_tensor", None),  # torch 2.13's name; FSDP2 calls it
+    "reduce_scatter": ("input_list", None),
+    "reduce_scatter_tensor": ("input", None),
+    "reduce_scatter_single": ("input", None),
+    "all_to_all": ("input_tensor_list", None),
+    "all_to_all_single": ("input", None),
+    "barrier": (None, None),
+    "batch_isend_irecv": ("p2p_op_list", None),
+}
+ASYNC_ALWAYS = {"isend", "irecv", "batch_isend_irecv"}
+
+
+def _wrap(op: str, fn: Any) -> Any:
+    sig = inspect.signature(fn)
+    tensor_arg, peer_arg = OPS[op]
+    default_op = sig.parameters["op"].default if "op" in sig.parameters else None
+    names = list(sig.parameters)  # binding by position is ~10x cheaper than sig.bind_partial
+
+    @functools.wraps(fn)
+    def traced(*args: Any, **kwargs: Any) -> Any:
+        if not STATE.enabled:
+            return fn(*args, **kwargs)
+        main = threading.get_ident() == STATE.main  # DDP's hooks may run on autograd threads
+        if main and STATE.inside:
+            return fn(*args, **kwargs)
+        bound = dict(zip(names, args))
+        bound.update(kwargs)
+        if op == "batch_isend_irecv":
+            return _batch(fn, args, kwargs, main)
+        ranks = group_ranks(bound.get("group"))
+        tensors = tensors_of(bound.get(tensor_arg)) if tensor_arg else []
+        peer = bound.get(peer_arg) if peer_arg else None
+        if peer is None and peer_arg and bound.get("group_" + peer_arg) is not None:
+            peer = ranks[bound["group_" + peer_arg]] if ranks else None
+        reduce_op = bound.get("op", default_op)
+        rec = new_record(
+            op,
+            ranks,
+            tensors,
+            peer=peer,
+            async_op=op in ASYNC_ALWAYS or bool(bound.get("async_op")),
+            reduce_op=str(reduce_op).rsplit(".", 1)[-1] if reduce_op is not None else None,
+        )
+        add_record(rec)
+        if STATE.batch is not None and main:
+            STATE.batch.append(rec)
+        event = cuda_event(tensors)
+        if rec.async_op:
+            work = fn(*args, **kwargs)
+            rec.end = time.time()  # issued; completion moves it later
+            return _complete_on_wait(work, [rec], event)
+        if main:
+            STATE.current, STATE.since, STATE.inside = rec, rec.start, True
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            rec.end = time.time()
+            end_event(rec, event)
+            if main:
+                STATE.current, STATE.inside = None, False
+
+    traced.__labkit_traced__ = fn  # type: ignore[attr-defined]
+    return traced
+
+
+def _batch(fn: Any, args: Any, kwargs: Any, main: bool) -> Any:
+    """batch_isend_irecv: each P2POp's isend/irecv records itself; the batch's works (one per
+    op, or one for a coalesced batch on NCCL) complete all of them."""
+    if not main:
+        return fn(*args, **kwargs)
+    STATE.batch = batch = []
+    try:
+        works = fn(*args, **kwargs)
+    finally:
+        STATE.batch = None
+    if works and not any(isinstance(w, TracedWork) for w in works):  # coalesced
+        return [TracedWork(w, batch, None) for w in works]
+    return works
+
+
+class TracedWork:
+    """Wraps an async op's Work so that its completion stamps the records' end time."""
+
+    def __init__(self, work: Any, recs: list[CommRecord], event: Any):
+        self._work = work
+        self._recs = recs
+        self._event = event
+        self._done = False
+
+    def _finish(self) -> None:
+        if not self._done:
+            self._done = True
+            now = time.time()
+            for rec in self._recs:
+                rec.end = max(rec.end, now)
+                end_event(rec, self._event)
+
+    def wait(self, *args: Any, **kwargs: Any) -> Any:
+        main = threading.get_ident() == STATE.main
+        if main:
+            STATE.current, STATE.since = (self._recs[0] if self._recs else None), time.time()
+        try:
+            return self._work.wait(*args, **kwargs)
+        finally:
+            if main:
+                STATE.current = None
+            self._finish()
+
+    def is_completed(self) -> bool:
+        done = self._work.is_completed()
+        if done:
+            self._finish()
+        return done
+
+    def get_future(self) -> Any:
+        fut = self._work.get_future()
+        fut.add_done_callback(lambda _: self._finish())
+        return fut
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._work, name)
+
+
+def _complete_on_wait(work: Any, recs: list[CommRecord], event: Any = None) -> Any:
+    if work is None:
+        for rec in recs:
+            end_event(rec, event)
+        return work
+    if isinstance(work, list):
+        return [TracedWork(w, recs, event) for w in work]
+    return TracedWork(work, recs, event)
+
+
+def install() -> None:
+    """Wrap each function of `OPS` in torch.distributed and in distributed_c10d (idempotent)."""
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    for op in OPS:
+        fn = getattr(dist, op, None)
+        if fn is not None and not hasattr(fn, "__labkit_traced__"):
+            traced = _wrap(op, fn)
+            setattr(dist, op, traced)
+            if getattr(c10d, op, None) is fn:
+                setattr(c10d, op, traced)

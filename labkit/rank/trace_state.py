@@ -1,0 +1,144 @@
+"""What the comm tracer keeps in a rank process, and how one call becomes a record (rank side).
+
+`STATE` holds the records of the last `KEEP_CELLS` cells, the per-group and per-peer call
+counts, the op the main thread is inside and the CUDA events not yet resolved. The wrappers
+(`dist_tracing`, `funcol_tracing`) build each record with `new_record` and time it on the
+device with `cuda_event` / `end_event`; `labkit.rank.trace` is the public face.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections import deque
+from typing import Any
+
+from labkit.wire.records import P2P_OPS, CommRecord, SpanRecord
+
+KEEP_CELLS = 20
+
+
+class _State:
+    def __init__(self) -> None:
+        self.enabled = True
+        self.rank = 0
+        self.cell = 0
+        self.records: dict[int, list[CommRecord | SpanRecord]] = {}
+        self.order: deque[int] = deque()
+        self.seq: dict[tuple[int, ...], int] = {}  # collectives called per group
+        self.p2p: dict[tuple[str, int], int] = {}  # ("sent"|"received", peer) -> count
+        self.current: CommRecord | None = None
+        self.groups: dict[Any, tuple[int, ...]] = {}  # process group -> its global ranks
+        self.since = 0.0  # when the main thread started waiting in `current`
+        self.main = threading.main_thread().ident
+        self.installed = False
+        self.inside = False  # the main thread is inside a traced call (nested ones are not)
+        self.batch: list[CommRecord] | None = None  # records of the batch_isend_irecv running
+        self.waiting: dict[int, tuple[Any, CommRecord]] = {}  # funcol result -> its record
+        self.events: list[tuple[CommRecord, Any, Any]] = []  # CUDA events not yet resolved
+
+
+STATE = _State()
+
+
+def add_record(rec: CommRecord | SpanRecord) -> None:
+    STATE.records.setdefault(STATE.cell, []).append(rec)
+
+
+def tensors_of(obj: Any) -> list[Any]:
+    """The tensors in an op's tensor argument: a tensor, a list of them, or a list of P2POps."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        out = []
+        for item in obj:
+            out.extend(tensors_of(getattr(item, "tensor", item)))
+        return out
+    return []
+
+
+def group_ranks(group: Any) -> tuple[int, ...]:
+    ranks = STATE.groups.get(group)
+    if ranks is not None:
+        return ranks
+    import torch.distributed as dist
+
+    try:
+        ranks = tuple(dist.get_process_group_ranks(group or dist.group.WORLD))
+    except Exception:  # a group this rank is not part of, or no group yet
+        return ()
+    STATE.groups[group] = ranks
+    return ranks
+
+
+def _user_line() -> tuple[str, int | None]:
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if "torch" not in name and "labkit" not in name or name.startswith("<"):
+            return name, frame.f_lineno
+        frame = frame.f_back
+    return "", None
+
+
+def new_record(
+    op: str, ranks: tuple[int, ...], tensors: list[Any], *, peer: Any = None, **extra: Any
+) -> CommRecord:
+    first = tensors[0] if tensors else None
+    if op in P2P_OPS and isinstance(peer, int):
+        # point-to-point calls are numbered per peer and direction ("the 3rd send to rank 1"),
+        # so collectives keep the same numbers on every rank of a group
+        key = ("sent" if op in ("send", "isend") else "received", peer)
+        STATE.p2p[key] = seq = STATE.p2p.get(key, 0) + 1
+    else:
+        STATE.seq[ranks] = seq = STATE.seq.get(ranks, 0) + 1
+    filename, line = _user_line()
+    return CommRecord(
+        rank=STATE.rank,
+        op=op,
+        seq=seq,
+        group=ranks,
+        peer=peer,
+        bytes=sum(t.numel() * t.element_size() for t in tensors),
+        dtype=str(first.dtype).removeprefix("torch.") if first is not None else "",
+        shape=tuple(first.shape) if first is not None else (),
+        start=time.time(),
+        cell=STATE.cell,
+        line=line,
+        filename=filename,
+        **extra,
+    )
+
+
+def cuda_event(tensors: list[Any]) -> Any:
+    """A recorded timing event on the current stream when the op's tensors are on CUDA."""
+    if not tensors or not tensors[0].is_cuda:
+        return None
+    import torch
+
+    event = torch.cuda.Event(enable_timing=True)
+    event.record()
+    return event
+
+
+def end_event(rec: CommRecord, start_event: Any) -> None:
+    if start_event is not None:
+        import torch
+
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        STATE.events.append((rec, start_event, end))
+
+
+def resolve_events() -> None:
+    """Fill `device_time` of records whose CUDA events have completed."""
+    pending = []
+    for rec, start, end in STATE.events:
+        if end.query():
+            rec.device_time = start.elapsed_time(end) / 1e3
+        else:
+            pending.append((rec, start, end))
+    STATE.events = pending[-10_000:]

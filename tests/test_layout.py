@@ -1,0 +1,339 @@
+"""The package's layout rules, checked on the source (no ranks, no kernel).
+
+1. Import contract: rank-side code (`labkit.rank`, `labkit.wire`, `labkit.parallel`) never
+   imports the notebook's packages (IPython, ipywidgets, plotly, anywidget, ipykernel,
+   jupyter*) nor labkit's kernel-side packages (`labkit.kernel`, `labkit.views`,
+   `labkit.exercises`, `labkit.tools`): read statically from every import statement, and
+   checked dynamically by importing every rank-side module in one fresh interpreter.
+2. No module in labkit/ is over 400 lines.
+3. No import cycle among labkit's modules through module-level imports.
+4. Every module of `labkit.kernel`, `labkit.rank` and `labkit.wire` has a docstring.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "labkit"
+RANK_SIDE = ("labkit.rank", "labkit.wire", "labkit.parallel")
+NOTEBOOK_PACKAGES = ("IPython", "ipywidgets", "plotly", "anywidget", "ipykernel")
+KERNEL_SIDE = ("labkit.kernel", "labkit.views", "labkit.exercises", "labkit.tools")
+DOCUMENTED = ("labkit.kernel", "labkit.rank", "labkit.wire")
+MAX_LINES = 400
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of labkit by dotted name (a package by its own name)."""
+    out = {}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        parts = path.relative_to(ROOT).with_suffix("").parts
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _under(name: str, packages: tuple[str, ...]) -> bool:
+    return any(name == p or name.startswith(p + ".") for p in packages)
+
+
+def _forbidden(name: str) -> bool:
+    """True for a module rank-side code must not import."""
+    root = name.split(".")[0]
+    return root in NOTEBOOK_PACKAGES or root.startswith("jupyter") or _under(name, KERNEL_SIDE)
+
+
+def _lazy_names() -> dict[str, str]:
+    """`labkit`'s lazily loaded names -> the module each comes from (`from labkit import Lab`)."""
+    tree = ast.parse((PACKAGE / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets
+        ):
+            return ast.literal_eval(node.value)
+    return {}
+
+
+def _resolve(module: str, is_package: bool, level: int, target: str | None) -> str:
+    """The absolute name of `from <level dots><target> import ...` written in `module`."""
+    if not level:
+        return target or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[: len(base) - (level - 1)]
+    return ".".join([*base, target] if target else base)
+
+
+def _imported(node: ast.stmt, module: str, path: Path, modules: dict[str, Path]) -> list[str]:
+    """The modules an import statement written in `module` names (none for other statements).
+
+    `from a import b` names `a.b` when that is a module, else `a` (and, for `from labkit
+    import Lab`, the module `labkit` loads `Lab` from).
+    """
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if not isinstance(node, ast.ImportFrom):
+        return []
+    base = _resolve(module, path.name == "__init__.py", node.level, node.module)
+    lazy = _lazy_names() if base == "labkit" else {}
+    names = []
+    for alias in node.names:
+        sub = f"{base}.{alias.name}"
+        if sub in modules or _forbidden(sub):
+            names.append(sub)
+        else:
+            names.append(lazy.get(alias.name, base))
+    return names
+
+
+def _source(node: ast.stmt, path: Path) -> str:
+    return ast.get_source_segment(path.read_text(), node) or ast.dump(node)
+
+
+# -------------------------------------------------------------------- 1. the import contract
+
+
+def test_rank_side_code_imports_nothing_of_the_notebook_or_the_kernel_side() -> None:
+    modules = _modules()
+    bad = []
+    for module, path in modules.items():
+        if not _under(module, RANK_SIDE):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):  # inside functions too
+            culprits = sorted({n for n in _imported(node, module, path, modules) if _forbidden(n)})
+            if culprits:
+                where = f"{path.relative_to(ROOT)}:{node.lineno}"
+                bad.append(f"{where}: `{_source(node, path)}` imports {', '.join(culprits)}")
+    assert not bad, (
+        "rank-side code (labkit.rank, labkit.wire, labkit.parallel) must not import the "
+        "notebook's packages or labkit's kernel side; move the code, or the import, to the "
+        "kernel side:\n  " + "\n  ".join(bad)
+    )
+
+
+CHILD = r"""
+import importlib, importlib.abc, json, sys
+
+NOTEBOOK_PACKAGES, KERNEL_SIDE, MODULES = json.loads(sys.argv[1])
+
+
+def forbidden(name):
+    root = name.split(".")[0]
+    return (root in NOTEBOOK_PACKAGES or root.startswith("jupyter")
+            or any(name == p or name.startswith(p + ".") for p in KERNEL_SIDE))
+
+
+how, importing = {}, [None]
+
+
+class Recorder(importlib.abc.MetaPathFinder):
+    # Sees every first import; notes who asked for a forbidden one, then lets it go on.
+    def find_spec(self, name, path, target=None):
+        if forbidden(name) and name not in how:
+            importer, chain = None, []
+            frame = sys._getframe(1)
+            while frame is not None:
+                mod = frame.f_globals.get("__name__", "")
+                if mod != "importlib" and not mod.startswith(("importlib.", "_frozen_importlib")):
+                    where = f"{mod}:{frame.f_lineno}"
+                    importer = importer or where
+                    if mod.startswith("labkit"):
+                        chain.append(where)
+                frame = frame.f_back
+            how[name] = {"while_importing": importing[0], "importer": importer, "chain": chain}
+        return None
+
+
+sys.meta_path.insert(0, Recorder())
+import os
+import labkit
+
+here = os.path.realpath(labkit.__file__)
+assert here.startswith(os.path.realpath(sys.argv[2])), here  # this checkout's labkit
+errors = {}
+for name in MODULES:
+    importing[0] = name
+    try:
+        importlib.import_module(name)
+    except Exception as exc:
+        errors[name] = f"{type(exc).__name__}: {exc}"
+leaked = sorted(m for m in sys.modules if forbidden(m))
+roots = [m for m in leaked if m.rpartition(".")[0] not in leaked]  # IPython, not IPython.core
+print(json.dumps({"leaked": {m: how.get(m) for m in roots}, "errors": errors}))
+"""
+
+
+@pytest.mark.timeout(180)
+def test_importing_every_rank_side_module_loads_no_notebook_or_kernel_package() -> None:
+    modules = [
+        m
+        for m in _modules()
+        if _under(m, RANK_SIDE) and not m.endswith(".__main__")  # __main__ runs a program
+    ]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), LABKIT_PREWARM="0")
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            CHILD,
+            json.dumps([NOTEBOOK_PACKAGES, KERNEL_SIDE, modules]),
+            str(PACKAGE),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    errors, leaked = report["errors"], report["leaked"]
+    assert not errors, "rank-side modules that fail to import:\n  " + "\n  ".join(
+        f"{name}: {error}" for name, error in errors.items()
+    )
+    lines = []
+    for name, how in leaked.items():
+        if how is None:
+            lines.append(f"{name} (imported without a trace of who asked)")
+            continue
+        chain = " <- ".join(how["chain"]) or "no labkit frame"
+        lines.append(
+            f"{name}: imported by {how['importer']} while importing "
+            f"{how['while_importing']} (labkit frames, innermost first: {chain})"
+        )
+    assert not leaked, (
+        f"importing the {len(modules)} rank-side modules loaded packages a rank must not "
+        "need:\n  " + "\n  ".join(lines)
+    )
+
+
+# -------------------------------------------------------------------- 2. module size
+
+
+def test_no_module_is_over_400_lines() -> None:
+    sizes = {path: len(path.read_text().splitlines()) for path in _modules().values()}
+    long = sorted(((n, p) for p, n in sizes.items() if n > MAX_LINES), reverse=True)
+    assert not long, (
+        f"modules over {MAX_LINES} lines; split each by job, into modules named for what they "
+        "do:\n  " + "\n  ".join(f"{p.relative_to(ROOT)}: {n} lines" for n, p in long)
+    )
+
+
+# -------------------------------------------------------------------- 3. import cycles
+
+
+def _top_level(tree: ast.Module) -> Iterator[ast.stmt]:
+    """Statements run when the module is imported: the body, into if/try/with blocks and class
+    bodies, but not into functions, nor `if TYPE_CHECKING:` blocks."""
+    stack = list(reversed(tree.body))
+    while stack:
+        node = stack.pop()
+        yield node
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            stack.extend(reversed(node.orelse))
+            continue
+        for field in ("body", "orelse", "finalbody", "handlers"):
+            stack.extend(reversed(getattr(node, field, [])))
+
+
+def _import_graph() -> dict[str, set[str]]:
+    modules = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for module, path in modules.items():
+        for node in _top_level(ast.parse(path.read_text())):
+            for name in _imported(node, module, path, modules):
+                while name and name not in modules:  # torch.nn -> torch -> "": not labkit's
+                    name = name.rpartition(".")[0]
+                if name and name != module:
+                    graph[module].add(name)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle (a, b, ..., a) per strongly connected component that has one (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    components: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                components.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    cycles = []
+    for component in components:
+        start = min(component)
+        paths = {start: [start]}  # breadth first, inside the component, back to start
+        queue = [start]
+        while queue:
+            v = queue.pop(0)
+            if start in graph[v]:
+                cycles.append([*paths[v], start])
+                break
+            for w in sorted(graph[v] & component):
+                if w not in paths:
+                    paths[w] = [*paths[v], w]
+                    queue.append(w)
+    return cycles
+
+
+def test_no_import_cycle_among_labkit_modules() -> None:
+    cycles = _cycles(_import_graph())
+    assert not cycles, (
+        "import cycles through module-level imports (move the shared part into a module both "
+        "import, or import inside the function that needs it):\n  "
+        + "\n  ".join(" -> ".join(c) for c in cycles)
+    )
+
+
+def test_cycle_finder_reports_a_chain() -> None:
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c", "a"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+# -------------------------------------------------------------------- 4. docstrings
+
+
+def test_kernel_rank_and_wire_modules_have_a_docstring() -> None:
+    missing = [
+        str(path.relative_to(ROOT))
+        for module, path in _modules().items()
+        if _under(module, DOCUMENTED)
+        and not (ast.get_docstring(ast.parse(path.read_text())) or "").strip()
+    ]
+    assert not missing, (
+        "modules without a docstring (say what the module does and where it runs):\n  "
+        + "\n  ".join(missing)
+    )
