@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from labkit.wire.codec import AuthenticationError, Codec, new_key
+from labkit.wire.messages import Done
 
 
 class Boom:
@@ -20,7 +21,9 @@ class Boom:
 def test_roundtrip_tensors_out_of_band():
     codec = Codec(new_key())
     x = torch.randn(256, 256)
-    msg = {"type": "done", "value": {"x": x, "p": torch.nn.Parameter(torch.ones(3))}}
+    msg = Done(
+        type="done", id=1, error=None, value={"x": x, "p": torch.nn.Parameter(torch.ones(3))}
+    )
     frames = codec.encode(msg)
     assert len(frames) >= 3  # signature, header, and at least one raw buffer
     assert sum(memoryview(f).nbytes for f in frames[2:]) >= x.numel() * 4

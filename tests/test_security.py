@@ -19,8 +19,8 @@ from conftest import pid_alive
 
 import labkit
 from labkit import LabkitWarning
-from labkit.rank.torchrun_entry import read_key_file, write_key_file
 from labkit.wire.codec import Codec, new_key
+from labkit.wire.key_file import read_key_file, write_key_file
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,8 +53,8 @@ def two_labs():
 def test_forged_message_to_a_rank_is_rejected_unpickled_and_logged(two_labs, tmp_path):
     a, _ = two_labs
     trap = tmp_path / "unpickled"
-    a.ctrl.send_multipart([b"r1", *forged(str(trap), gen=a.gen)])
-    a.ctrl.send_multipart([b"r1", b"short"])  # malformed: one frame
+    a.channel.ctrl.send_multipart([b"r1", *forged(str(trap), gen=a.channel.gen)])
+    a.channel.ctrl.send_multipart([b"r1", b"short"])  # malformed: one frame
     time.sleep(0.5)
     assert not trap.exists()
     assert a.run("rank").values_by_rank == {0: 0, 1: 1}
@@ -69,21 +69,22 @@ def test_forged_message_to_the_kernel_is_rejected_and_warned(two_labs, tmp_path)
     ctx = zmq.Context.instance()
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(a._endpoint(a.side))
-    before = a.rejected
-    sock.send_multipart(forged(str(trap), type="stream", gen=a.gen))
+    sock.connect(a.channel.endpoint("side"))
+    before = a.channel.rejected
+    sock.send_multipart(forged(str(trap), type="stream", gen=a.channel.gen))
     deadline = time.monotonic() + 5
-    while a.rejected == before and time.monotonic() < deadline:
+    while a.channel.rejected == before and time.monotonic() < deadline:
         time.sleep(0.05)
     sock.close()
-    assert a.rejected == before + 1 and not trap.exists()
+    assert a.channel.rejected == before + 1 and not trap.exists()
     with pytest.warns(LabkitWarning, match="rejected a message"):
         a.run("1")
 
 
 def test_one_lab_cannot_signal_or_reach_the_other(two_labs):
     a, b = two_labs
-    assert a.codec.key != b.codec.key and a.sock_dir != b.sock_dir
+    assert a.channel.codec.key != b.channel.codec.key
+    assert a.channel.sock_dir != b.channel.sock_dir
     b.server.signal(list(a.pids.values()), 9)  # B's server only signals pids it forked
     time.sleep(0.5)
     assert all(pid_alive(p) for p in a.pids.values())
@@ -94,7 +95,7 @@ def test_one_lab_cannot_signal_or_reach_the_other(two_labs):
 
 def test_private_files(two_labs):
     a, _ = two_labs
-    for d in (a.sock_dir, a.log_dir):
+    for d in (a.channel.sock_dir, a.log_dir):
         assert os.stat(d).st_mode & 0o777 == 0o700, d
     for r in range(2):
         assert os.stat(os.path.join(a.log_dir, f"rank-{r}.log")).st_mode & 0o077 == 0
@@ -136,18 +137,18 @@ def test_nothing_listens_beyond_loopback(two_labs):
 def test_attach_endpoint_rejects_forgeries_and_is_loopback(tmp_path):
     lab = labkit.Lab.attach(2, wait=False)
     try:
-        assert lab._endpoint(lab.ctrl).startswith("tcp://127.0.0.1:")
+        assert lab.channel.endpoint("ctrl").startswith("tcp://127.0.0.1:")
         assert all(addr in LOOPBACK for addr, _ in _listening([os.getpid()]))
         trap = tmp_path / "unpickled"
         sock = zmq.Context.instance().socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(lab._endpoint(lab.ctrl))
+        sock.connect(lab.channel.endpoint("ctrl"))
         sock.send_multipart(forged(str(trap), type="attach", world_size=2))
         with pytest.warns(LabkitWarning, match="rejected a message"):
             with pytest.raises(labkit.LabError, match="0 of 2 ranks attached"):
                 lab.wait_attached(2)
         sock.close()
-        assert not trap.exists() and lab.rejected == 1
+        assert not trap.exists() and lab.channel.rejected == 1
     finally:
         lab.stop()
 

@@ -2,8 +2,9 @@
 
 A fork server is started with `sys.executable -m labkit.rank.fork_server` in its own session (so a
 terminal's Ctrl-C does not hit it), with stderr going to a log file. A reader thread parses its
-messages; rank exits are handed to `on_exit`. One spare server is kept warm after
-`prewarm()`, so the next `Lab` pays for a fork, not for importing torch.
+messages (JSON lines, typed in `labkit.wire.messages`); rank exits are handed to `on_exit`. One
+spare server is kept warm after `prewarm()`, so the next `Lab` pays for a fork, not for
+importing torch.
 """
 
 from __future__ import annotations
@@ -20,6 +21,15 @@ from collections.abc import Callable
 from typing import Any
 
 import labkit
+from labkit.wire.config import RankConfig
+from labkit.wire.messages import (
+    ExitCommand,
+    KernelToServer,
+    ServerHello,
+    ServerToKernel,
+    SignalCommand,
+    SpawnCommand,
+)
 
 
 class ForkServer:
@@ -39,7 +49,7 @@ class ForkServer:
             env=env,
             start_new_session=True,
         )
-        self.facts: dict[str, Any] | None = None
+        self.facts: ServerHello | None = None
         self.spawned: dict[tuple[int, int], int] = {}  # (gen, rank) -> pid
         self.exited: dict[int, int] = {}  # pid -> exit code (negative: signal)
         self.on_exit: Callable[[int, int | None, int], None] | None = None
@@ -56,9 +66,9 @@ class ForkServer:
         with self.cond:
             self.cond.notify_all()
 
-    def _handle(self, msg: dict[str, Any]) -> None:
+    def _handle(self, msg: ServerToKernel) -> None:
         with self.cond:
-            if msg["type"] == "hello":
+            if msg["type"] == "facts":
                 self.facts = msg
             elif msg["type"] == "spawned":
                 self.spawned[(msg["gen"], msg["rank"])] = msg["pid"]
@@ -71,7 +81,7 @@ class ForkServer:
     def alive(self) -> bool:
         return self.proc.poll() is None
 
-    def wait_facts(self, timeout: float = 120.0) -> dict[str, Any]:
+    def wait_facts(self, timeout: float = 120.0) -> ServerHello:
         deadline = time.monotonic() + timeout
         with self.cond:
             while self.facts is None:
@@ -89,14 +99,19 @@ class ForkServer:
         with open(self.log_path, "rb") as f:
             return f.read()[-4000:].decode(errors="replace")
 
-    def _send(self, msg: dict[str, Any]) -> None:
+    def _send(self, msg: KernelToServer) -> None:
         with self.lock:
             self.proc.stdin.write((json.dumps(msg) + "\n").encode())  # type: ignore[union-attr]
             self.proc.stdin.flush()  # type: ignore[union-attr]
 
-    def spawn(self, cfg: dict[str, Any]) -> None:
-        cfg = dict(cfg, key=cfg["key"].hex())
-        self._send({"cmd": "spawn", "cfg": cfg})
+    def spawn(self, cfg: RankConfig | dict[str, Any]) -> None:
+        """Fork one rank. `cfg` is checked here, in the kernel, so a bad value raises here.
+
+        A dict is still taken, as `RankConfig(**cfg)`, until no caller passes one.
+        """
+        if isinstance(cfg, dict):
+            cfg = RankConfig(**cfg)
+        self._send(SpawnCommand(cmd="spawn", cfg=cfg.to_wire()))
 
     def wait_pids(self, gen: int, ranks: list[int], timeout: float = 10.0) -> dict[int, int]:
         deadline = time.monotonic() + timeout
@@ -110,7 +125,7 @@ class ForkServer:
     def signal(self, pids: list[int], sig: int) -> None:
         """Signal ranks this server forked (the server skips any pid it already reaped)."""
         if pids and self.alive():
-            self._send({"cmd": "signal", "pids": pids, "sig": int(sig)})
+            self._send(SignalCommand(cmd="signal", pids=pids, sig=int(sig)))
 
     def wait_exited(self, pids: list[int], timeout: float) -> bool:
         deadline = time.monotonic() + timeout
@@ -125,7 +140,7 @@ class ForkServer:
     def close(self) -> None:
         if self.alive():
             try:
-                self._send({"cmd": "exit"})
+                self._send(ExitCommand(cmd="exit"))
                 self.proc.stdin.close()  # type: ignore[union-attr]
             except (BrokenPipeError, OSError):
                 pass

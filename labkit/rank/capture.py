@@ -21,7 +21,7 @@ import select
 import sys
 import termios
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import BinaryIO
 
 from labkit.wire.logfile import LOG_HEADER
@@ -125,7 +125,7 @@ class Capture:
         self,
         send: Callable[[str, str], None],
         log_path: str | None = None,
-        read_fds: list[int] | None = None,
+        read_fds: Sequence[int] | None = None,
         header: str = "",
     ):
         """`read_fds`: read ends of pipes already on fds 1 and 2 (made by the fork server)."""

@@ -4,11 +4,13 @@ Started as `python -m labkit.rank.fork_server KERNEL_PID`, it imports torch once
 (GPUs are counted through NVML), and then forks one rank per `spawn` request, so a start or a
 restart costs a fork instead of a torch import, and CUDA used in the kernel cannot poison a rank.
 
-It talks to the kernel over its stdin/stdout pipes, one JSON object per line:
+It talks to the kernel over its stdin/stdout pipes, one JSON object per line (typed in
+`labkit.wire.messages`):
 
-    kernel -> server: {"cmd": "spawn", "cfg": {...}}   {"cmd": "signal", "pids": [...], "sig": 9}
-    server -> kernel: {"type": "hello", ...facts...}    {"type": "spawned", "rank": r, "pid": p}
-                      {"type": "exited", "pid": p, "rank": r, "code": c, "signal": s}
+    kernel -> server: SpawnCommand {"cmd": "spawn", "cfg": RankConfig.to_wire()}
+                      SignalCommand {"cmd": "signal", "pids": [...], "sig": 9}   ExitCommand
+    server -> kernel: ServerHello {"type": "facts", ...}   Spawned {"type": "spawned", ...}
+                      Exited {"type": "exited", "pid": p, "rank": r, "code": c (< 0: signal)}
 
 It creates each rank's stdout/stderr pipes before the fork and keeps a copy of their read ends:
 when a rank dies, whatever it wrote that its own reader thread had not yet consumed (the last
@@ -23,14 +25,17 @@ in turn dies with the server (parent-death signal and a heartbeat check of its p
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import json
 import os
 import select
 import signal
 import sys
-from typing import Any
 
 from labkit.rank.capture import MARKER
+from labkit.wire.config import RankConfig
+from labkit.wire.logfile import log_path
+from labkit.wire.messages import Exited, ServerHello, ServerToKernel, Spawned
 
 PR_SET_PDEATHSIG = 1
 
@@ -45,23 +50,23 @@ def die_with_parent(parent: int) -> None:
         os._exit(1)
 
 
-def facts() -> dict[str, Any]:
+def facts() -> ServerHello:
     import torch
     import torch.distributed as dist
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    return {
-        "type": "hello",
-        "torch": torch.__version__,
-        "gpus": gpus,
-        "cuda": torch.version.cuda,
-        "gloo": dist.is_gloo_available(),
-        "nccl": dist.is_nccl_available(),
-        "mpi": dist.is_mpi_available(),
-        "cpus": os.cpu_count(),
-        "pid": os.getpid(),
-        "python": sys.version.split()[0],
-    }
+    return ServerHello(
+        type="facts",
+        torch=torch.__version__,
+        gpus=gpus,
+        cuda=torch.version.cuda,
+        gloo=dist.is_gloo_available(),
+        nccl=dist.is_nccl_available(),
+        mpi=dist.is_mpi_available(),
+        cpus=os.cpu_count(),
+        pid=os.getpid(),
+        python=sys.version.split()[0],
+    )
 
 
 class Server:
@@ -75,13 +80,12 @@ class Server:
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
 
-    def say(self, msg: dict[str, Any]) -> None:
+    def say(self, msg: ServerToKernel) -> None:
         self.out.write(json.dumps(msg) + "\n")
 
-    def spawn(self, cfg: dict[str, Any]) -> None:
-        cfg["key"] = bytes.fromhex(cfg["key"])
+    def spawn(self, cfg: RankConfig) -> None:
         pipes = [os.pipe(), os.pipe()]  # stdout, stderr: (read, write)
-        cfg["capture_fds"] = [r for r, _ in pipes]
+        cfg = dataclasses.replace(cfg, capture_fds=(pipes[0][0], pipes[1][0]))
         pid = os.fork()
         if pid == 0:
             os.dup2(pipes[0][1], 1)
@@ -93,13 +97,12 @@ class Server:
             os.close(w)
         for r, _ in pipes:
             os.set_blocking(r, False)
-        log_dir = cfg.get("log_dir")
-        log = os.path.join(log_dir, f"rank-{cfg['rank']}.log") if log_dir else None
+        log = log_path(cfg.log_dir, cfg.rank) if cfg.log_dir else None
         self.pipes[pid] = ([r for r, _ in pipes], log)
-        self.children[pid] = cfg["rank"]
-        self.say({"type": "spawned", "rank": cfg["rank"], "pid": pid, "gen": cfg["gen"]})
+        self.children[pid] = cfg.rank
+        self.say(Spawned(type="spawned", rank=cfg.rank, pid=pid, gen=cfg.gen))
 
-    def _child(self, cfg: dict[str, Any]) -> None:
+    def _child(self, cfg: RankConfig) -> None:
         try:
             parent = os.getppid()
             signal.set_wakeup_fd(-1)
@@ -129,12 +132,7 @@ class Server:
             rank = self.children.pop(pid, None)
             self.drain(pid)
             self.say(
-                {
-                    "type": "exited",
-                    "pid": pid,
-                    "rank": rank,
-                    "code": os.waitstatus_to_exitcode(status),
-                }
+                Exited(type="exited", pid=pid, rank=rank, code=os.waitstatus_to_exitcode(status))
             )
 
     def drain(self, pid: int) -> None:
@@ -192,7 +190,7 @@ class Server:
                 line, buf = buf.split(b"\n", 1)
                 msg = json.loads(line)
                 if msg["cmd"] == "spawn":
-                    self.spawn(msg["cfg"])
+                    self.spawn(RankConfig.from_wire(msg["cfg"]))
                 elif msg["cmd"] == "signal":
                     self.kill(msg["pids"], msg["sig"])
                 elif msg["cmd"] == "exit":

@@ -23,35 +23,15 @@ import os
 import socket
 import sys
 import time
-from typing import Any
+from typing import Any, cast
+
+from labkit.wire.config import RankConfig
+from labkit.wire.key_file import read_key_file
+from labkit.wire.key_file import write_key_file as write_key_file  # for kernel/lab.py, for now
+from labkit.wire.messages import Attach, Welcome
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 WELCOME_TIMEOUT = 120.0
-
-
-def write_key_file(path: str, key: bytes) -> str:
-    """Write the lab's key as hex to `path`, readable and writable by its owner only."""
-    path = os.path.abspath(os.path.expanduser(path))
-    os.makedirs(os.path.dirname(path), mode=0o700, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        os.fchmod(fd, 0o600)  # an existing file keeps its mode on open; make sure
-        os.write(fd, key.hex().encode() + b"\n")
-    finally:
-        os.close(fd)
-    return path
-
-
-def read_key_file(path: str) -> bytes:
-    path = os.path.expanduser(path)
-    mode = os.stat(path).st_mode & 0o077
-    if mode:
-        raise PermissionError(
-            f"key file {path} is readable by others (mode {oct(os.stat(path).st_mode & 0o777)}); "
-            "run chmod 600 on it"
-        )
-    with open(path) as f:
-        return bytes.fromhex(f.read().strip())
 
 
 def torchrun_command(world_size: int, endpoint: str, key_file: str, nnodes: int = 1) -> str:
@@ -76,7 +56,7 @@ def _torchrun_env() -> dict[str, str]:
     return {k: os.environ[k] for k in ENV}
 
 
-def _handshake(endpoint: str, codec: Any, hello: dict[str, Any]) -> dict[str, Any]:
+def _handshake(endpoint: str, codec: Any, hello: Attach) -> Welcome:
     """Say `attach` until the kernel answers with `welcome` (rank side)."""
     import zmq
 
@@ -96,7 +76,7 @@ def _handshake(endpoint: str, codec: Any, hello: dict[str, Any]) -> dict[str, An
                 print(f"labkit: rejected a message from {endpoint}: {exc}", file=sys.stderr)
                 continue
             if msg.get("type") == "welcome":
-                return msg
+                return cast(Welcome, msg)
             if msg.get("type") == "refused":
                 raise SystemExit(f"labkit: the lab at {endpoint} refused rank: {msg['why']}")
         raise SystemExit(
@@ -130,15 +110,15 @@ def main(argv: list[str] | None = None) -> None:
     welcome = _handshake(
         f"tcp://{host}:{port}",
         codec,
-        {
-            "type": "attach",
-            "rank": rank,
-            "gen": 1,
-            "world_size": world_size,
-            "host": socket.gethostname(),
-            "pid": os.getpid(),
-            "gpus": gpus,
-        },
+        Attach(
+            type="attach",
+            rank=rank,
+            gen=1,
+            world_size=world_size,
+            host=socket.gethostname(),
+            pid=os.getpid(),
+            gpus=gpus,
+        ),
     )
     device = welcome["device"] if welcome["device"] != "auto" else ("cuda" if gpus else "cpu")
     backend = welcome["backend"]
@@ -147,21 +127,21 @@ def main(argv: list[str] | None = None) -> None:
     if args.log_dir:
         os.makedirs(args.log_dir, mode=0o700, exist_ok=True)
     worker.run(
-        {
-            "attached": True,
-            "rank": rank,
-            "world_size": world_size,
-            "local_rank": int(env["LOCAL_RANK"]),
-            "local_world_size": int(env["LOCAL_WORLD_SIZE"]),
-            "master_addr": env["MASTER_ADDR"],
-            "master_port": int(env["MASTER_PORT"]),
-            "ctrl": f"tcp://{host}:{port}",
-            "side": welcome["side"].replace("HOST", host),
-            "key": codec.key,
-            "gen": welcome["gen"],
-            "backend": backend,
-            "device": device,
-            "log_dir": args.log_dir,
-            "pg_timeout": welcome["pg_timeout"],
-        }
+        RankConfig(
+            attached=True,
+            rank=rank,
+            world_size=world_size,
+            local_rank=int(env["LOCAL_RANK"]),
+            local_world_size=int(env["LOCAL_WORLD_SIZE"]),
+            master_addr=env["MASTER_ADDR"],
+            master_port=int(env["MASTER_PORT"]),
+            ctrl=f"tcp://{host}:{port}",
+            side=welcome["side"].replace("HOST", host),
+            key=codec.key,
+            gen=welcome["gen"],
+            backend=backend,
+            device=device,
+            log_dir=args.log_dir,
+            pg_timeout=welcome["pg_timeout"],
+        )
     )

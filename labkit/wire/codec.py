@@ -13,10 +13,8 @@ A message is a dict. On the wire it is a ZeroMQ multipart message:
   `Codec.decode` checks the tag (constant-time compare) before anything is unpickled; a message
   that fails is rejected with `AuthenticationError` and never unpickled.
 
-Every message has a `type`. Kernel to rank: `init` (rendezvous port), `exec` (code or a
-pickled function), `pull`, `push`, `ping`, `trace`, `exit`. Rank to kernel: `hello`, `ready`,
-`stream` (output text), `status` (heartbeat with the running line and comm op), `done`
-(result of exec/pull/push), `pong`, `fatal` (a rank cannot go on).
+Every message has a `type`; the messages and their fields are defined once, in
+`labkit.wire.messages`.
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ import io
 import os
 import pickle
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 import cloudpickle
@@ -118,7 +117,7 @@ class Codec:
             mac.update(view)
         return nonce + mac.finalize()
 
-    def encode(self, msg: dict[str, Any]) -> list[Any]:
+    def encode(self, msg: Mapping[str, Any]) -> list[Any]:
         header, buffers = dumps(msg)
         frames: list[Any] = [header, *(b.raw() for b in buffers)]
         return [self._sign(frames, os.urandom(NONCE_BYTES)), *frames]
