@@ -122,7 +122,7 @@ def test_two_labs_side_by_side_do_not_collide():
     a = labkit.Lab(2, device="cpu")
     b = labkit.Lab(2, device="cpu")
     try:
-        assert a.codec.key != b.codec.key
+        assert a.channel.codec.key != b.channel.codec.key
         assert set(a.pids.values()).isdisjoint(b.pids.values())
         ports_a = a.run("import os\nos.environ['MASTER_PORT']")
         ports_b = b.run("import os\nos.environ['MASTER_PORT']")
@@ -131,10 +131,10 @@ def test_two_labs_side_by_side_do_not_collide():
         b.run("x = 'b'")
         assert a.pull("x") == {0: "a", 1: "a"} and b.pull("x") == {0: "b", 1: "b"}
         # a message signed with lab b's key is rejected by lab a's ranks, never unpickled
-        frames = b.codec.encode(
-            {"type": "exec", "id": 999, "code": "import os; os._exit(7)", "gen": a.gen}
+        frames = b.channel.codec.encode(
+            {"type": "exec", "id": 999, "code": "import os; os._exit(7)", "gen": a.channel.gen}
         )
-        a.ctrl.send_multipart([b"r0", *frames])
+        a.channel.ctrl.send_multipart([b"r0", *frames])
         time.sleep(0.3)
         assert a.run("rank").values_by_rank == {0: 0, 1: 1}
         assert "rejected a message" in open(os.path.join(a.log_dir, "rank-0.log")).read()

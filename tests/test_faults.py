@@ -184,7 +184,7 @@ def test_stop_during_start_up_leaves_no_ranks():
                 except KeyboardInterrupt:
                     pass
             if not lab.running:  # stopped mid-way: nothing of it is left, and it says so
-                assert gone([p for (g, _), p in lab.server.spawned.items() if g == lab.gen])
+                assert gone([p for (g, _), p in lab.server.spawned.items() if g == lab.channel.gen])
                 with pytest.raises(LabError, match="not running"):
                     lab.run("1")
                 lab.restart()

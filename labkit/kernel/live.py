@@ -1,4 +1,4 @@
-"""The live status of a running cell, and the Restart button after it (kernel side).
+"""The live status of a running cell, and the status of the ranks (kernel side).
 
 Shown once a cell has run for `SHOW_AFTER` seconds, so quick cells stay quick: one line per
 rank with its state, e.g. "rank 1 inside all_reduce #17 on group [0, 1] for 4.2 s, line 3".
@@ -14,9 +14,11 @@ the cell, when ranks died, a Restart button (a real widget, which works then) re
 from __future__ import annotations
 
 import html
+import time
 from typing import Any
 
 from labkit.kernel.results import CellState
+from labkit.kernel.watchdog import op_text
 
 SHOW_AFTER = 1.0
 REFRESH = 0.25
@@ -29,9 +31,7 @@ def describe_state(s: CellState) -> str:
     line = f"line {s.line}" if s.line else ""
     if not s.op:
         return "running" + (f" {line}" if line else "")
-    group = ", ".join(map(str, s.op["group"]))
-    peer = f" with peer {s.op['peer']}" if s.op.get("peer") is not None else ""
-    text = f"inside {s.op['op']} #{s.op['seq']} on group [{group}]{peer} for {s.blocked_s:.1f} s"
+    text = f"inside {op_text(s.op)} for {s.blocked_s:.1f} s"
     return text + (f", {line}" if line else "")
 
 
@@ -118,3 +118,38 @@ class LiveStatus:
 
             self.after = restart_button(self.lab)
             display(self.after)
+
+
+def ranks_info(info: dict[int, dict[str, Any]], pids: dict[int, int]) -> list[dict[str, Any]]:
+    """One dict per rank: rank, pid, host, device, backend, num_cpus."""
+    return [
+        {
+            "rank": r,
+            "pid": pids.get(r),
+            "host": h.get("host"),
+            "device": h.get("device"),
+            "backend": h.get("backend"),
+            "num_cpus": h.get("num_cpus"),
+        }
+        for r, h in sorted(info.items())
+    ]
+
+
+def status_report(lab: Any, heartbeats: dict[int, dict[str, Any]]) -> dict[str, Any]:
+    """What `%lab status` shows: the choice, and per rank its pid, device and liveness."""
+    now = time.monotonic()
+    rows = []
+    for info in lab.ranks_info():
+        r = info["rank"]
+        st = heartbeats.get(r, {})
+        age = now - st["received"] if "received" in st else None
+        alive = r not in lab.dead and (age is None or age < 5)
+        rows.append(dict(info, alive=alive, busy=st.get("busy") is not None, heartbeat_age_s=age))
+    return {
+        "running": lab.running,
+        "world_size": lab.world_size,
+        "backend": lab.backend,
+        "choice": lab.choice.reason if lab.choice else "",
+        "log_dir": lab.log_dir,
+        "ranks": rows,
+    }

@@ -39,8 +39,18 @@ def check_world_size(world_size: Any) -> int:
     return world_size
 
 
-def choose(world_size: int | None, backend: str, device: str, facts: dict[str, Any]) -> Choice:
-    """Resolve 'auto' against what the fork server found (GPUs, backends)."""
+def choose(
+    world_size: int | None,
+    backend: str,
+    device: str,
+    facts: dict[str, Any],
+    ranks_per_host: int | None = None,
+) -> Choice:
+    """Resolve 'auto' against what a host has (GPUs, backends): the one rule for every lab.
+
+    `facts` are those of the fork server, or of the least-equipped node of a torchrun job;
+    `ranks_per_host` is how many ranks share that host's GPUs (all of them by default).
+    """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}; got {backend!r}")
     if device not in DEVICES:
@@ -49,23 +59,22 @@ def choose(world_size: int | None, backend: str, device: str, facts: dict[str, A
     if world_size is None:
         world_size = gpus or 4
     world_size = check_world_size(world_size)
+    local = ranks_per_host or world_size
     if device == "cuda" and gpus == 0:
         raise ValueError("device='cuda' needs a GPU, but torch sees none here; use device='cpu'")
     if device == "auto":
         device = "cuda" if gpus else "cpu"
     if backend == "nccl":
-        if device != "cuda" or gpus < world_size or not facts.get("nccl"):
+        if device != "cuda" or gpus < local or not facts.get("nccl"):
             raise ValueError(
-                f"backend='nccl' needs one GPU per rank: world_size {world_size}, "
+                f"backend='nccl' needs one GPU per rank: {local} ranks per host, "
                 f"GPUs {gpus}, NCCL {'built' if facts.get('nccl') else 'missing'}; "
                 "use backend='gloo' (ranks can share a GPU with gloo)"
             )
     if backend == "auto":
-        backend = (
-            "nccl" if device == "cuda" and gpus >= world_size and facts.get("nccl") else "gloo"
-        )
+        backend = "nccl" if device == "cuda" and gpus >= local and facts.get("nccl") else "gloo"
     if device == "cuda":
-        share = f"{world_size} ranks on {gpus} GPU(s)" + (", sharing" if world_size > gpus else "")
+        share = f"{local} ranks on {gpus} GPU(s)" + (", sharing" if local > gpus else "")
     else:
         share = f"{world_size} CPU ranks on {facts.get('cpus')} cores"
     return Choice(world_size, backend, device, gpus, f"{backend} on {device}: {share}")

@@ -28,6 +28,10 @@ class RankResult:
         return self.error is None
 
 
+class LabkitWarning(UserWarning):
+    """A warning of labkit's own (tests turn these into errors)."""
+
+
 class LabError(RuntimeError):
     """The lab could not do what was asked (bad state, dead rank, recovery happened)."""
 

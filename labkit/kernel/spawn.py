@@ -18,7 +18,6 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import labkit
 from labkit.wire.config import RankConfig
@@ -104,13 +103,8 @@ class ForkServer:
             self.proc.stdin.write((json.dumps(msg) + "\n").encode())  # type: ignore[union-attr]
             self.proc.stdin.flush()  # type: ignore[union-attr]
 
-    def spawn(self, cfg: RankConfig | dict[str, Any]) -> None:
-        """Fork one rank. `cfg` is checked here, in the kernel, so a bad value raises here.
-
-        A dict is still taken, as `RankConfig(**cfg)`, until no caller passes one.
-        """
-        if isinstance(cfg, dict):
-            cfg = RankConfig(**cfg)
+    def spawn(self, cfg: RankConfig) -> None:
+        """Fork one rank (`cfg` was checked when it was built, in the kernel)."""
         self._send(SpawnCommand(cmd="spawn", cfg=cfg.to_wire()))
 
     def wait_pids(self, gen: int, ranks: list[int], timeout: float = 10.0) -> dict[int, int]:

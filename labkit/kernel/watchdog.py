@@ -34,13 +34,16 @@ def _fmt_ranks(ranks: Any) -> str:
     return ", ".join(map(str, ranks))
 
 
+def op_text(op: dict[str, Any]) -> str:
+    """A comm op a rank is inside, as every message names it: "all_reduce #17 on group [0, 1]"."""
+    peer = f" with peer {op['peer']}" if _p2p_peer(op) is not None else ""
+    return f"{op['op']} #{op['seq']} on group [{_fmt_ranks(op['group'])}]{peer}"
+
+
 def _op_text(rank: int, op: dict[str, Any]) -> str:
     where = f", line {op['line']}" if op.get("line") else ""
-    peer = f" with peer {op['peer']}" if _p2p_peer(op) is not None else ""
-    return (
-        f"rank {rank} waits in {op['op']} #{op['seq']} on group [{_fmt_ranks(op['group'])}]"
-        f"{peer} ({op.get('dtype') or '-'} {tuple(op.get('shape') or ())}{where})"
-    )
+    shape = tuple(op.get("shape") or ())
+    return f"rank {rank} waits in {op_text(op)} ({op.get('dtype') or '-'} {shape}{where})"
 
 
 def _did_its_part(r: int, op: dict[str, Any], other: dict[str, Any] | None) -> bool:

@@ -1,0 +1,225 @@
+"""One cell on the ranks, from sending it to its results: watch, Stop, diagnose (kernel side).
+
+`CellRun.run()` sends the cell, waits in the channel's loop and, while it waits, shows the live
+status and asks the watchdog whether the cell can still finish. Stop (Ctrl-C, the notebook's
+interrupt) interrupts the running ranks through the launcher and gives them `STOP_GRACE`
+seconds. A cell that cannot finish is not repaired here: `run()` returns an outcome whose
+`stuck` says why, and the lab decides what recovery means for its ranks (a restart, or a lab
+marked unusable for ranks it cannot restart).
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from labkit.kernel.channel import Channel, Stuck
+from labkit.kernel.launcher import RankLauncher
+from labkit.kernel.live import LiveStatus
+from labkit.kernel.results import CellState, LabkitWarning, RankResult, Results
+from labkit.kernel.watchdog import diagnose
+from labkit.wire.messages import Exec, KernelToRank
+
+STOP_GRACE = 2.0  # seconds ranks get to stop after Stop before the cell counts as stuck
+_COLLECTIVE = re.compile(
+    r"\b(all_reduce|all_gather\w*|reduce_scatter\w*|all_to_all\w*|broadcast|barrier|reduce|"
+    r"scatter|gather)\s*\("
+)
+
+
+def exec_message(
+    code_or_function: str | Callable[..., Any], targets: list[int], world_size: int, display: bool
+) -> Exec:
+    """The `exec` request for code (a str) or a function; bad input raises here, once.
+
+    Warns when code on some ranks only calls a collective on the whole group (it would wait
+    for the absent ranks forever). The caller sets the cell's id.
+    """
+    msg = Exec(type="exec", id=0, display=display)
+    if callable(code_or_function):
+        import cloudpickle
+
+        msg["fn"] = cloudpickle.dumps(code_or_function)
+    elif isinstance(code_or_function, str):
+        ast.parse(code_or_function, "<cell>")  # a SyntaxError surfaces here, once
+        msg["code"] = code_or_function
+        if len(targets) < world_size and _COLLECTIVE.search(code_or_function):
+            absent = sorted(set(range(world_size)) - set(targets))
+            warnings.warn(
+                f"this cell runs on ranks {targets} only, and it calls a collective; a "
+                f"collective on the whole group waits for ranks {absent} forever "
+                "(labkit will stop it). Use a group: dist.new_group(...)",
+                LabkitWarning,
+                stacklevel=3,
+            )
+    else:
+        raise TypeError(
+            f"run() takes code as a str or a function, got {type(code_or_function).__name__}"
+        )
+    return msg
+
+
+@dataclass
+class CellOutcome:
+    """What happened to a cell: the replies that came, and why it is stuck, if it is."""
+
+    replies: dict[int, dict[str, Any]]
+    started: float
+    stuck: Stuck | None = None
+    errors: dict[int, dict[str, Any]] = field(default_factory=dict)
+
+
+class CellRun:
+    """Runs one request (`exec`, `pull`, ...) with id `cell` on `targets`."""
+
+    def __init__(
+        self,
+        channel: Channel,
+        launcher: RankLauncher,
+        world_size: int,
+        cell: int,
+        targets: list[int],
+        timeout: float | None,
+        live_owner: Any = None,
+    ):
+        self.channel = channel
+        self.launcher = launcher
+        self.world_size = world_size
+        self.cell = cell
+        self.targets = targets
+        self.timeout = timeout
+        self.live = LiveStatus(targets, lab=live_owner)
+        self.replies: dict[int, dict[str, Any]] = {}
+        self.started = 0.0
+
+    def run(self, msg: KernelToRank) -> CellOutcome:
+        self.channel.output.reset()
+        self.started = time.monotonic()
+        deadline = self.started + self.timeout if self.timeout else None
+        stuck: Stuck | None = None
+        self.channel.send(self.targets, msg)
+        try:
+            try:
+                self.channel.pump(
+                    set(self.targets),
+                    "done",
+                    msg_id=self.cell,
+                    deadline=deadline,
+                    replies=self.replies,
+                    watch=self._watch,
+                )
+            except KeyboardInterrupt:
+                self._stop()
+        except Stuck as exc:
+            stuck = exc
+            if deadline is not None and time.monotonic() > deadline:
+                stuck = Stuck(f"the cell ran past its timeout of {self.timeout} s ({exc})")
+        finally:
+            self.live.close()
+        outcome = CellOutcome(self.replies, self.started, stuck)
+        outcome.errors = {r: m["error"] for r, m in self.replies.items() if m.get("error")}
+        if stuck is None:
+            self.channel.catch_up_streams(self.replies)
+        return outcome
+
+    def _watch(self, pending: set[int]) -> None:
+        states = self.states(pending)
+        self.live.update(states, time.monotonic() - self.started)
+        blocked = {
+            s.rank: dict(s.op, blocked_s=s.blocked_s)
+            for s in states
+            if s.op is not None and s.state == "running"
+        }
+        why_not = {s.rank: s.state for s in states if s.state != "running"}
+        progress = {r: m.get("progress") for r, m in self.replies.items()}
+        for r in pending:
+            st = self.channel.status.get(r, {})
+            if st.get("busy") == self.cell:
+                progress[r] = st.get("progress")
+        reason = diagnose(blocked, set(pending), why_not, progress=progress)
+        if reason:
+            raise Stuck(reason)
+        self.launcher.watch(pending, self.started)
+
+    def _stop(self) -> None:
+        """Stop pressed: interrupt the running ranks; if they do not stop, the cell is stuck."""
+        running = [r for r in self.targets if r not in self.replies]
+        self.launcher.interrupt(running, self.cell)
+        try:
+            self.channel.pump(
+                set(running),
+                "done",
+                msg_id=self.cell,
+                deadline=time.monotonic() + STOP_GRACE,
+                replies=self.replies,
+                watch=self._watch,
+            )
+        except KeyboardInterrupt:
+            raise Stuck("Stop was pressed twice") from None
+        except Stuck as stuck:
+            still = sorted(set(running) - set(self.replies))
+            raise Stuck(
+                f"Stop was pressed, and rank(s) {still} did not stop within "
+                f"{STOP_GRACE:.0f} s ({stuck})"
+            ) from None
+
+    def states(self, pending: set[int]) -> list[CellState]:
+        """What each rank of the lab is doing for this cell (running, finished, died...)."""
+        states = []
+        for r in range(self.world_size):
+            if r in pending:
+                st = self.channel.status.get(r, {})
+                op = st.get("op") if st.get("busy") == self.cell else None
+                blocked = st["time"] - op["since"] if op else 0.0
+                states.append(CellState(r, "running", st.get("line"), op, blocked))
+            elif r in self.replies:
+                err = self.replies[r].get("error")
+                states.append(CellState(r, f"raised {err['type']}" if err else "finished"))
+            elif r in self.channel.dead:
+                states.append(CellState(r, "died"))
+            else:
+                states.append(CellState(r, "is not running this cell"))
+        return states
+
+
+def results(replies: dict[int, dict[str, Any]], output: Any, offsets: dict[int, float]) -> Results:
+    """{rank: RankResult} from `done` replies; error times on the kernel's clock."""
+    out = Results()
+    for r, m in sorted(replies.items()):
+        err = m.get("error")
+        if err is not None and r in offsets:
+            err["time"] -= offsets[r]
+        out[r] = RankResult(
+            r,
+            m.get("value"),
+            output.of(r),
+            m.get("duration", 0.0),
+            err,
+            m.get("display"),
+            m.get("value_error"),
+        )
+    return out
+
+
+def recovery_note(
+    outcome: CellOutcome, stopped_after: float, restarted_in: float | None, cannot_restart: str
+) -> str:
+    """What the user reads after a stuck cell: why, and what became of the ranks."""
+    assert outcome.stuck is not None
+    reason, died, errors = str(outcome.stuck), outcome.stuck.died, outcome.errors
+    if restarted_in is None:  # ranks labkit cannot restart: the lab is unusable now
+        return f"{reason}\n{cannot_restart}"
+    if errors and died is not None:  # the death is the root cause; the peers' errors follow
+        reason += f"\nbecause rank {died} died, " + "; ".join(
+            f"rank {r} raised {e['type']}: {(e['message'].splitlines() or [''])[0][:160]}"
+            for r, e in sorted(errors.items())
+        )
+    return (
+        f"{reason}\nlabkit stopped the cell after {stopped_after:.1f} s and restarted the "
+        f"ranks in {restarted_in:.2f} s: variables on the ranks were lost."
+    )

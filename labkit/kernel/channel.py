@@ -1,0 +1,302 @@
+"""The kernel's channel to its ranks: two sockets, one I/O thread, one waiting loop (kernel side).
+
+- `ctrl` (a ZeroMQ ROUTER) is used only by the thread that calls the lab: requests out,
+  replies in.
+- `side` is read by the `labkit-io` thread: output lines are queued for the caller to print,
+  heartbeats update each rank's status (the line it runs, the comm op it is inside).
+
+Forked ranks connect over Unix sockets in a private 0700 directory; ranks started by torchrun
+connect over TCP on the address the user chose (loopback by default).
+
+`pump` is the one loop that waits for replies. While it waits it prints rank output as it
+arrives, notices dead ranks (the fork server reports exits at once) and calls the caller's
+`watch` (the watchdog, the live status); Ctrl-C surfaces from it as KeyboardInterrupt.
+
+Generations: each (re)start of the ranks has a new number, and messages from an older
+generation are dropped, so a restart never mixes old and new replies.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import zmq
+
+from labkit.kernel.logs import read_tail
+from labkit.kernel.output import RankOutput
+from labkit.kernel.results import LabError, LabkitWarning
+from labkit.wire.codec import AuthenticationError, Codec
+from labkit.wire.logfile import log_path
+from labkit.wire.messages import Done, Interrupt, KernelToRank, Ping
+
+
+class Stuck(Exception):
+    """A wait that cannot end: the message says why (`died`: a rank whose death is the cause)."""
+
+    def __init__(self, reason: str, died: int | None = None):
+        super().__init__(reason)
+        self.died = died
+
+
+class Channel:
+    """The sockets, the I/O thread and the waiting loop between a kernel and its ranks."""
+
+    def __init__(self, codec: Codec, log_dir: str, listen: tuple[str, int] | None = None):
+        self.codec = codec
+        self.log_dir = log_dir
+        self.listen = listen  # (host, port): ranks connect over TCP (started by torchrun)
+        self.ctx = zmq.Context()
+        self.sock_dir = tempfile.mkdtemp(prefix="labkit-")  # 0700: only this user gets in
+        self.gen = 0
+        self.status: dict[int, dict[str, Any]] = {}  # rank -> its last heartbeat
+        self.events: deque[tuple[Any, ...]] = deque()
+        self.routes: dict[int, bytes] = {}  # rank -> ZeroMQ routing id of its ctrl socket
+        self.dead: dict[int, int] = {}  # rank -> exit code (negative: signal)
+        self.rejected = 0
+        self.output = RankOutput()
+        self.closed = False
+        self._seen_seq: dict[int, int] = {}
+        self._side_out: deque[tuple[int, KernelToRank]] = deque()
+        self._side_routes: dict[int, bytes] = {}
+        self.ctrl = self._bind("ctrl")
+        self.side = self._bind("side")
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        self.poller = zmq.Poller()
+        self.poller.register(self.ctrl, zmq.POLLIN)
+        self.poller.register(self.wake_r, zmq.POLLIN)
+        self._io = threading.Thread(target=self._io_loop, name="labkit-io", daemon=True)
+        self._io.start()
+
+    # -- sockets ----------------------------------------------------------------------------
+    def _bind(self, name: str) -> zmq.Socket:
+        """A ROUTER on a Unix socket in a private directory (faster than TCP loopback)."""
+        sock = self.ctx.socket(zmq.ROUTER)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.listen is not None:  # attached ranks: TCP on the address the user chose
+            host, port = self.listen
+            sock.bind(f"tcp://{host}:{port if name == 'ctrl' else 0}")
+            return sock
+        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
+        sock.bind(f"ipc://{os.path.join(self.sock_dir, name)}")
+        return sock
+
+    def endpoint(self, name: str) -> str:
+        """The address ranks connect to: `name` is "ctrl" or "side"."""
+        sock = self.ctrl if name == "ctrl" else self.side
+        return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+
+    def new_generation(self) -> int:
+        """Forget everything about the ranks before a (re)start; returns the new number."""
+        self.gen += 1
+        self.status.clear()
+        self.events.clear()
+        self.dead.clear()
+        self._seen_seq = {}
+        return self.gen
+
+    def close(self) -> None:
+        self.closed = True
+        self._io.join(timeout=2)
+        self.ctx.destroy(linger=0)
+        os.close(self.wake_r)
+        os.close(self.wake_w)
+        shutil.rmtree(self.sock_dir, ignore_errors=True)
+
+    # -- the I/O thread ---------------------------------------------------------------------
+    def _post(self, *event: Any) -> None:
+        self.events.append(event)
+        try:
+            os.write(self.wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass
+
+    def rank_exited(self, rank: int, code: int) -> None:
+        """A rank's process ended (called from the fork server's reader thread)."""
+        self.dead[rank] = code
+        self._post("exit", rank, code)
+
+    def _io_loop(self) -> None:
+        remote = self.listen is not None
+        while not self.closed:
+            try:
+                while self._side_out:  # Stop for attached ranks (they cannot be signalled)
+                    rank, out = self._side_out.popleft()
+                    if rank in self._side_routes:
+                        self.side.send_multipart([self._side_routes[rank], *self.codec.encode(out)])
+                if not self.side.poll(50 if remote else 200):
+                    continue
+                frames = self.side.recv_multipart(copy=False)
+            except zmq.ZMQError:
+                return
+            try:
+                msg = self.codec.decode(frames[1:])
+            except AuthenticationError as exc:
+                self.rejected += 1
+                self._post("rejected", str(exc))
+                continue
+            if msg.get("gen") != self.gen:
+                continue
+            self._side_routes[msg["rank"]] = frames[0].bytes
+            if msg["type"] == "stream" and remote:  # their logs are on other machines
+                self._log_remote(msg)
+            if msg["type"] == "status":
+                msg["received"] = time.monotonic()
+                self.status[msg["rank"]] = msg
+            elif msg["type"] == "stream":
+                self._post("stream", msg)
+
+    def _log_remote(self, msg: dict[str, Any]) -> None:
+        try:
+            fd = os.open(
+                log_path(self.log_dir, msg["rank"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
+            )
+            with os.fdopen(fd, "ab") as f:
+                f.write(msg["text"].encode(errors="replace"))
+        except OSError:
+            pass
+
+    # -- sending ----------------------------------------------------------------------------
+    def send(self, ranks: Iterable[int], msg: KernelToRank) -> None:
+        frames = self.codec.encode(msg)
+        for r in ranks:
+            ident = self.routes.get(r) or f"r{r}".encode()
+            self.ctrl.send_multipart([ident, *frames], copy=False)
+
+    def send_interrupt(self, ranks: Iterable[int], cell: int) -> None:
+        """Stop for ranks labkit cannot signal: a message on `side`, sent by the I/O thread."""
+        for r in ranks:
+            self._side_out.append((r, Interrupt(type="interrupt", cell=cell)))
+
+    # -- the one waiting loop ---------------------------------------------------------------
+    def pump(
+        self,
+        pending: set[int],
+        expect: str,
+        *,
+        msg_id: int | None = None,
+        deadline: float | None = None,
+        replies: dict[int, dict[str, Any]] | None = None,
+        watch: Callable[[set[int]], None] | None = None,
+    ) -> dict[int, dict[str, Any]]:
+        """Wait for `expect` replies (with `msg_id`) from every rank in `pending`.
+
+        Raises `Stuck` past `deadline` or when a rank dies, and `LabError` for a rank that could
+        not start (`fatal`); `watch(pending)` runs between polls.
+        """
+        replies = {} if replies is None else replies
+        pending = set(pending) - set(replies)
+        while pending:
+            ready = dict(self.poller.poll(100))
+            if self.ctrl in ready:
+                while self.ctrl.poll(0):
+                    msg = self._receive(expect, msg_id)
+                    if msg is None:
+                        continue
+                    if msg["type"] == expect and msg.get("id") == msg_id:
+                        replies[msg["rank"]] = msg
+                        pending.discard(msg["rank"])
+            if self.wake_r in ready:
+                try:
+                    os.read(self.wake_r, 65536)
+                except BlockingIOError:
+                    pass
+            self.drain_events()
+            if deadline is not None and time.monotonic() > deadline and pending:
+                raise Stuck(f"no reply from rank(s) {sorted(pending)} in time")
+            if watch is not None:
+                watch(pending)
+        return replies
+
+    def _receive(self, expect: str, msg_id: int | None) -> dict[str, Any] | None:
+        """One ctrl message of this generation, or None for one to drop."""
+        frames = self.ctrl.recv_multipart(copy=False)
+        try:
+            msg = self.codec.decode(frames[1:])
+        except AuthenticationError as exc:
+            self.rejected += 1
+            warnings.warn(f"labkit rejected a message: {exc}", LabkitWarning, stacklevel=4)
+            return None
+        except Exception as exc:  # noqa: BLE001 - signed, but the kernel cannot unpickle it
+            msg = self._undecodable(frames[0].bytes, exc, expect, msg_id)
+            if msg is None:
+                return None
+        if msg.get("gen") != self.gen:
+            return None
+        self.routes[msg["rank"]] = frames[0].bytes
+        if msg["type"] == "fatal":
+            err = msg["error"]
+            raise LabError(
+                f"rank {msg['rank']} failed to start: {err['type']}: "
+                f"{err['message']}\n{err['traceback']}"
+            )
+        return msg
+
+    def _undecodable(
+        self, ident: bytes, exc: Exception, expect: str, msg_id: int | None
+    ) -> Done | None:
+        """A genuine reply whose value the kernel cannot rebuild: report it, do not hang."""
+        rank = next((r for r, i in self.routes.items() if i == ident), None)
+        if rank is None or expect != "done" or msg_id is None:
+            return None
+        return Done(
+            type="done",
+            id=msg_id,
+            rank=rank,
+            gen=self.gen,
+            error=None,
+            value_error=f"the value could not be rebuilt in the kernel: "
+            f"{type(exc).__name__}: {exc}",
+        )
+
+    def drain_events(self) -> None:
+        """Show queued output; raise `Stuck` for a rank that died; warn of rejected messages."""
+        while self.events:
+            kind, *rest = self.events.popleft()
+            if kind == "stream":
+                self._seen_seq[rest[0]["rank"]] = rest[0]["seq"]
+                self.output.show(rest[0])
+            elif kind == "exit":
+                rank, code = rest
+                raise Stuck(self.death_text(rank, code), died=rank)
+            elif kind == "rejected":
+                warnings.warn(f"labkit rejected a message: {rest[0]}", LabkitWarning, stacklevel=3)
+
+    def death_text(self, rank: int, code: int) -> str:
+        how = (
+            f"killed by signal {signal.Signals(-code).name}"
+            if code < 0
+            else f"exited with code {code}"
+        )
+        text = f"rank {rank} died ({how})"
+        tail = read_tail(self.log_dir, rank, lines=12, drop_noise=True)
+        if tail:
+            last = "".join(f"  | {line}" for line in tail.splitlines(True))
+            text += f"; its last output (all of it: %lab logs {rank}):\n{last.rstrip()}"
+        return text
+
+    def catch_up_streams(self, replies: dict[int, dict[str, Any]]) -> None:
+        """Output travels beside replies: wait (briefly) for every line sent before `done`."""
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline:
+            self.drain_events()
+            if all(self._seen_seq.get(r, 0) >= m.get("stream_seq", 0) for r, m in replies.items()):
+                return
+            time.sleep(0.001)
+
+    def measure_offsets(self, ranks: list[int]) -> dict[int, float]:
+        """Clock offset of each rank: its time minus the kernel's at the ping's midpoint."""
+        t0 = time.time()
+        self.send(ranks, Ping(type="ping", id=0))
+        pongs = self.pump(set(ranks), "pong", msg_id=0, deadline=time.monotonic() + 10)
+        t1 = time.time()
+        return {r: pongs[r]["time"] - (t0 + t1) / 2 for r in ranks}

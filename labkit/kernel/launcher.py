@@ -1,0 +1,58 @@
+"""One interface for the ways a lab's ranks come to exist (kernel side).
+
+`ForkedRanks` (labkit.kernel.forked) forks them from a fork server on this machine;
+`TorchrunRanks` (labkit.kernel.attached) waits for ranks that torchrun started, here or on a
+cluster, to attach. The lab calls only the methods below, so what differs between the two
+lives in the two classes, not in branches of the lab.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from labkit.kernel.channel import Channel
+from labkit.kernel.policy import Choice
+
+
+class RankLauncher(ABC):
+    """Starts, interrupts and ends a lab's ranks over its channel."""
+
+    #: why labkit cannot restart these ranks (None: it can)
+    cannot_restart: str | None = None
+
+    def __init__(self, channel: Channel):
+        self.channel = channel
+        self.pids: dict[int, int] = {}  # rank -> pid (on its host)
+        self.info: dict[int, dict] = {}  # rank -> what it said in its hello, with the backend
+        self.choice: Choice | None = None
+
+    @abstractmethod
+    def start(self) -> Choice:
+        """Bring the ranks up and form their process group; returns what was chosen."""
+
+    @abstractmethod
+    def interrupt(self, ranks: list[int], cell: int) -> None:
+        """Stop pressed: make `ranks` raise KeyboardInterrupt in the user code of `cell`."""
+
+    def watch(self, pending: set[int], started: float) -> None:
+        """Raise `Stuck` if a rank in `pending` is known to be gone (called while a cell runs).
+
+        By default nothing to do: a fork server reports a rank's death the moment it happens.
+        """
+        return None
+
+    def kill(self) -> None:
+        """End the ranks at once, to start them anew (only where `cannot_restart` is None)."""
+        raise NotImplementedError
+
+    def resize(self, world_size: int) -> None:
+        """The next start brings up `world_size` ranks (only where `cannot_restart` is None)."""
+        raise NotImplementedError
+
+    @abstractmethod
+    def stop(self) -> None:
+        """End the ranks and release what the launcher holds. Safe to call twice."""
+
+    @property
+    def server(self):  # noqa: ANN201 - the fork server handle, where there is one
+        return None

@@ -1,0 +1,126 @@
+"""The kernel's parts without processes: one backend/device rule for both launchers, a cell run
+that reports a stuck cell instead of repairing it, and the note a user reads afterwards."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit.kernel.attached import choose_attached, torchrun_command
+from labkit.kernel.cell_run import CellOutcome, CellRun, recovery_note
+from labkit.kernel.channel import Stuck
+from labkit.kernel.forked import ForkedRanks
+from labkit.kernel.launcher import RankLauncher
+from labkit.kernel.output import RankOutput
+from labkit.kernel.policy import choose
+
+
+def attach(rank: int, host: str, gpus: int = 0, nccl: bool = False) -> dict:
+    return {"rank": rank, "host": host, "gpus": gpus, "nccl": nccl, "cpus": 8, "world_size": 4}
+
+
+def test_attached_ranks_follow_the_forked_rule_per_host() -> None:
+    # 2 nodes x 2 ranks, 2 GPUs each: one GPU per rank on every node -> NCCL, as forked would
+    two_by_two = {r: attach(r, f"node{r // 2}", gpus=2, nccl=True) for r in range(4)}
+    c = choose_attached(4, "auto", "auto", two_by_two)
+    assert (c.backend, c.device) == ("nccl", "cuda")
+    assert c.reason.endswith("4 ranks attached from torchrun on node0, node1")
+    assert c == choose_attached(4, "auto", "auto", two_by_two)  # a pure function
+    # the same job where one node has a single GPU: its two ranks share it -> gloo
+    short = {**two_by_two, **{r: attach(r, "node1", gpus=1, nccl=True) for r in (2, 3)}}
+    c = choose_attached(4, "auto", "auto", short)
+    assert (c.backend, c.device) == ("gloo", "cuda")
+    # no GPUs anywhere: CPU and gloo; asking for NCCL there is refused with the reason
+    cpu = {r: attach(r, "node0") for r in range(4)}
+    assert (choose_attached(4, "auto", "auto", cpu).device) == "cpu"
+    with pytest.raises(ValueError, match="one GPU per rank"):
+        choose_attached(4, "nccl", "auto", cpu)
+
+
+def test_ranks_per_host_decides_nccl_not_the_world_size() -> None:
+    gpu4 = {"gpus": 4, "nccl": True, "cpus": 32}
+    assert choose(8, "auto", "auto", gpu4, ranks_per_host=4).backend == "nccl"
+    assert choose(8, "auto", "auto", gpu4).backend == "gloo"  # 8 ranks on one 4-GPU host
+
+
+def test_torchrun_command_names_the_rank_entry_point() -> None:
+    cmd = torchrun_command(4, "head:5555", "/k", nnodes=2)
+    assert "--nnodes=2 --nproc-per-node=2" in cmd and "-m labkit.rank --connect head:5555" in cmd
+    with pytest.raises(ValueError, match="not a multiple"):
+        torchrun_command(3, "head:5555", "/k", nnodes=2)
+
+
+class FakeChannel:
+    """Enough of a Channel for one cell run: `pump` raises what the test says."""
+
+    def __init__(self, raises: BaseException):
+        self.raises = raises
+        self.sent: list = []
+        self.status: dict = {}
+        self.dead: dict = {}
+        self.output = RankOutput()
+
+    def send(self, ranks, msg) -> None:
+        self.sent.append((list(ranks), msg))
+
+    def pump(self, pending, expect, **kw):
+        raise self.raises
+
+    def catch_up_streams(self, replies) -> None:
+        raise AssertionError("a stuck cell has no output to wait for")
+
+
+class FakeLauncher(RankLauncher):
+    def __init__(self, channel):
+        super().__init__(channel)
+        self.calls: list[str] = []
+
+    def start(self):
+        self.calls.append("start")
+
+    def interrupt(self, ranks, cell) -> None:
+        self.calls.append(f"interrupt {ranks}")
+
+    def kill(self) -> None:
+        self.calls.append("kill")
+
+    def stop(self) -> None:
+        self.calls.append("stop")
+
+
+def test_a_stuck_cell_is_reported_not_repaired() -> None:
+    channel = FakeChannel(Stuck("rank 1 waits in all_reduce #3 on group [0, 1]", died=None))
+    launcher = FakeLauncher(channel)
+    run = CellRun(channel, launcher, 2, cell=7, targets=[0, 1], timeout=None)
+    outcome = run.run({"type": "exec", "id": 7, "code": "1"})
+    assert isinstance(outcome.stuck, Stuck) and "all_reduce #3" in str(outcome.stuck)
+    assert launcher.calls == []  # neither killed nor restarted: the lab decides that
+    assert channel.sent == [([0, 1], {"type": "exec", "id": 7, "code": "1"})]
+
+
+def test_stop_interrupts_through_the_launcher_and_a_second_stop_is_stuck() -> None:
+    channel = FakeChannel(KeyboardInterrupt())
+    launcher = FakeLauncher(channel)
+    outcome = CellRun(channel, launcher, 2, cell=1, targets=[0, 1], timeout=None).run(
+        {"type": "exec", "id": 1, "code": "1"}
+    )
+    assert launcher.calls == ["interrupt [0, 1]"]
+    assert str(outcome.stuck) == "Stop was pressed twice"
+
+
+def test_recovery_note_names_the_dead_rank_first_and_what_was_lost() -> None:
+    err = {"type": "RuntimeError", "message": "Connection closed by peer\nmore", "time": 1.0}
+    outcome = CellOutcome({1: {"error": err}}, 0.0, Stuck("rank 0 died (exited with code 3)", 0))
+    outcome.errors = {1: err}
+    note = recovery_note(outcome, 1.25, 0.05, "")
+    assert note.startswith("rank 0 died (exited with code 3)\nbecause rank 0 died, rank 1 raised")
+    assert "Connection closed by peer" in note and "more" not in note
+    assert "after 1.2 s" in note and "in 0.05 s: variables on the ranks were lost" in note
+    stuck_attached = recovery_note(outcome, 1.0, None, "cannot restart: do X")
+    assert stuck_attached == "rank 0 died (exited with code 3)\ncannot restart: do X"
+
+
+def test_forked_ranks_can_restart_and_say_so() -> None:
+    assert ForkedRanks.cannot_restart is None
+    from labkit.kernel.attached import TorchrunRanks
+
+    assert "cannot restart" in TorchrunRanks.cannot_restart
