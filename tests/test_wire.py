@@ -20,15 +20,11 @@ from labkit.wire.config import RankConfig
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))
 TAGS = ("type", "cmd")  # the key that names a message: `cmd` for the fork server's commands
 
-# Files that may build messages as dict literals, with why. A path ending in "/" covers a
-# folder; CHECKED_ANYWAY lists files under an exempt folder that are checked nonetheless.
-# A "pending" entry is to move to labkit.wire.messages: delete its line when it has.
+# Files that may build messages as dict literals, with why (a path ending in "/" covers a
+# folder).
 EXEMPT = {
     "labkit/wire/messages.py": "the definitions themselves",
-    "labkit/kernel/": "pending: the kernel side (lab.py, being split into channel.py, "
-    "cell_run.py and the launchers) moves to the typed messages with that split",
 }
-CHECKED_ANYWAY = {"labkit/kernel/spawn.py"}  # the fork server's lines: on the types already
 
 
 # -- RankConfig -------------------------------------------------------------------------------
@@ -232,8 +228,6 @@ def message_literals(source: str, filename: str) -> list[str]:
 
 
 def _exempt(path: str) -> bool:
-    if path in CHECKED_ANYWAY:
-        return False
     return any(path == e or (e.endswith("/") and path.startswith(e)) for e in EXEMPT)
 
 

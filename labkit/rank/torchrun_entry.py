@@ -1,4 +1,4 @@
-"""Ranks started by torchrun that attach to a notebook's lab (rank side, plus kernel helpers).
+"""The entry point of a rank started by torchrun that attaches to a notebook's lab (rank side).
 
 `Lab.attach(n)` in the notebook binds a TCP endpoint (loopback unless the user picks another
 address), writes the lab's key to a file readable only by its owner, and prints the command to
@@ -9,7 +9,8 @@ run, for example
 
 Each rank torchrun starts runs `main()` below: it reads RANK, WORLD_SIZE, LOCAL_RANK,
 LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from torchrun's environment, says `attach` to
-the kernel (signed with the key), gets a `welcome` (the side endpoint, backend, device), and
+the kernel (signed with the key) with what its node has (GPUs, NCCL, cores), gets a `welcome`
+(the side endpoint, and the backend and device the kernel chose for every rank), and
 then serves cells exactly as a forked rank does, except that it joins its process group with
 env:// (torchrun formed the rendezvous) and that labkit cannot restart it: a stuck cell is
 recovered by restarting the torchrun job. A rank leaves when the kernel says `exit` or when its
@@ -27,23 +28,10 @@ from typing import Any, cast
 
 from labkit.wire.config import RankConfig
 from labkit.wire.key_file import read_key_file
-from labkit.wire.key_file import write_key_file as write_key_file  # for kernel/lab.py, for now
 from labkit.wire.messages import Attach, Welcome
 
 ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 WELCOME_TIMEOUT = 120.0
-
-
-def torchrun_command(world_size: int, endpoint: str, key_file: str, nnodes: int = 1) -> str:
-    """The command that starts `world_size` ranks attaching to `endpoint` (kernel side)."""
-    if world_size % nnodes:
-        raise ValueError(f"world_size {world_size} is not a multiple of nnodes {nnodes}")
-    per_node = world_size // nnodes
-    rdzv = "" if nnodes == 1 else " --rdzv-backend=c10d --rdzv-endpoint=HEAD_HOST:29500"
-    return (
-        f"torchrun --nnodes={nnodes} --nproc-per-node={per_node}{rdzv} "
-        f"-m labkit.rank --connect {endpoint} --key-file {key_file}"
-    )
 
 
 def _torchrun_env() -> dict[str, str]:
@@ -105,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     codec = Codec(read_key_file(args.key_file))
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     import torch
+    import torch.distributed as dist
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     welcome = _handshake(
@@ -118,12 +107,10 @@ def main(argv: list[str] | None = None) -> None:
             host=socket.gethostname(),
             pid=os.getpid(),
             gpus=gpus,
+            nccl=dist.is_nccl_available(),
+            cpus=os.cpu_count(),
         ),
     )
-    device = welcome["device"] if welcome["device"] != "auto" else ("cuda" if gpus else "cpu")
-    backend = welcome["backend"]
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" else "gloo"
     if args.log_dir:
         os.makedirs(args.log_dir, mode=0o700, exist_ok=True)
     worker.run(
@@ -139,8 +126,8 @@ def main(argv: list[str] | None = None) -> None:
             side=welcome["side"].replace("HOST", host),
             key=codec.key,
             gen=welcome["gen"],
-            backend=backend,
-            device=device,
+            backend=welcome["backend"],
+            device=welcome["device"],
             log_dir=args.log_dir,
             pg_timeout=welcome["pg_timeout"],
         )

@@ -139,8 +139,8 @@ class Welcome(TypedDict):
     type: Literal["welcome"]
     gen: int
     side: str  # the side endpoint, "tcp://HOST:PORT" (the rank puts in the host it reached)
-    backend: str  # "auto", "gloo" or "nccl"
-    device: str  # "auto", "cpu" or "cuda"
+    backend: str  # "gloo" or "nccl", chosen by the kernel (policy.choose) for every rank
+    device: str  # "cpu" or "cuda"
     pg_timeout: float
 
 
@@ -170,6 +170,8 @@ class Attach(FromRank):
     host: str
     pid: int
     gpus: int  # GPUs this rank's node sees
+    nccl: bool  # whether this node's torch has NCCL
+    cpus: int | None  # this node's cores
 
 
 class Hello(FromRank):
