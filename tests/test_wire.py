@@ -77,12 +77,6 @@ def test_rank_config_round_trips_through_the_wire_and_json(cfg):
     assert {f.name for f in dataclasses.fields(RankConfig)} == set(wire)
 
 
-def test_rank_config_takes_the_kernels_dict():
-    # what kernel/spawn.py's ForkServer.spawn accepts from callers that still build a dict
-    d = dataclasses.asdict(config())
-    assert RankConfig(**d) == config()
-
-
 @pytest.mark.parametrize(
     "changes, message",
     [
