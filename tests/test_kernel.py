@@ -16,9 +16,9 @@ class Kernel:
         self.km, self.kc = start_new_kernel(kernel_name="python3")
 
     def run(self, code: str, timeout: float = 60) -> dict:
-        """Execute a cell; collect its streams, rich outputs and error."""
+        """Execute a cell; collect its streams, rich outputs, error and pager text (`x?`)."""
         msg_id = self.kc.execute(code)
-        out = {"stdout": "", "stderr": "", "html": [], "text": [], "error": None, "status": None}
+        out = {"stdout": "", "stderr": "", "html": [], "text": [], "error": None, "page": ""}
         while True:
             try:
                 msg = self.kc.get_iopub_msg(timeout=timeout)
@@ -36,6 +36,15 @@ class Kernel:
                 out["error"] = content
             elif kind == "status" and content["execution_state"] == "idle":
                 break
+        while True:  # help (`%lab?`) comes in the reply, as a payload for the pager
+            reply = self.kc.get_shell_msg(timeout=timeout)
+            if reply["parent_header"].get("msg_id") == msg_id:
+                break
+        if reply["content"]["status"] == "error" and out["error"] is None:
+            out["error"] = reply["content"]  # a UsageError: on stderr, with no traceback
+        for payload in reply["content"].get("payload", []):
+            if payload.get("source") == "page":
+                out["page"] += payload["data"].get("text/plain", "")
         return out
 
     def close(self):
@@ -81,7 +90,7 @@ def test_magics_end_to_end(kernel):
     assert "hello 1" in logs["stdout"]
 
     bad = kernel.run("%%ranks 0,5\n1")
-    assert bad["error"] is not None and "out of range" in bad["error"]["evalue"]
+    assert bad["error"]["ename"] == "UsageError" and "out of range" in bad["error"]["evalue"]
     bad = kernel.run("%lab start 2 --backend nccl")
     assert bad["error"] is not None and "one GPU per rank" in bad["error"]["evalue"]
 

@@ -55,4 +55,6 @@ def read_tail(
     kept = text.splitlines(True)
     if drop_noise:
         kept = [line for line in kept if not NOISE.search(line)]
+    while kept and not kept[-1].strip():  # trailing blank lines are not among the last lines
+        kept.pop()
     return "".join(kept[-lines:] if lines > 0 else []).rstrip()

@@ -4,76 +4,144 @@
 %lab attach N [--host H] [--port P] [--key-file F] [--nnodes K]   ranks started by torchrun
 %lab status | %lab restart [N] | %lab stop | %lab logs RANK [--lines N]
 %%ranks [RANKS] [--timeout S]     run the cell on every rank, or on RANKS such as 0,2 or 1-3
+
+Arguments are parsed by IPython's `magic_arguments`, so `%lab?` and `%%ranks?` show the help.
+A mistake in the arguments is a `UsageError`: IPython prints what was wrong and the usage,
+without a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
-import os
 import shlex
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments
 from IPython.display import HTML, display
 
 from labkit.kernel import lab as lab_module
+from labkit.kernel.logs import read_tail
+from labkit.kernel.policy import BACKENDS, DEVICES
 from labkit.kernel.results import values_html
+from labkit.wire.logfile import log_path
+
+COMMANDS = ("start", "attach", "status", "restart", "stop", "logs")
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # never SystemExit inside a kernel
-        raise UsageError(f"{message}\n{self.format_usage()}")
+def _count(text: str) -> int:
+    """An argparse type: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a whole number of at least 1, got {text!r}")
+    return value
 
 
-@functools.cache
-def _lab_parser() -> _Parser:
-    p = _Parser(prog="%lab", add_help=False)
-    sub = p.add_subparsers(dest="cmd", required=True, parser_class=_Parser)
-    start = sub.add_parser("start", add_help=False)
-    start.add_argument("n", type=int, nargs="?")
-    start.add_argument("--backend", default="auto")
-    start.add_argument("--device", default="auto")
-    start.add_argument("--timeout", type=float)
-    attach = sub.add_parser("attach", add_help=False)
-    attach.add_argument("n", type=int)
-    attach.add_argument("--host", default="127.0.0.1")
-    attach.add_argument("--port", type=int, default=0)
-    attach.add_argument("--key-file")
-    attach.add_argument("--nnodes", type=int, default=1)
-    attach.add_argument("--timeout", type=float)
-    sub.add_parser("status", add_help=False)
-    restart = sub.add_parser("restart", add_help=False)
-    restart.add_argument("n", type=int, nargs="?")
-    sub.add_parser("stop", add_help=False)
-    logs = sub.add_parser("logs", add_help=False)
-    logs.add_argument("rank", type=int)
-    logs.add_argument("--lines", type=int, default=200)
-    return p
+def _seconds(text: str) -> float:
+    """An argparse type: a positive number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not value > 0:  # also refuses nan
+        raise argparse.ArgumentTypeError(f"must be a number of seconds above 0, got {text!r}")
+    return value
 
 
-@functools.cache
-def _ranks_parser() -> _Parser:
-    p = _Parser(prog="%%ranks", add_help=False)
-    p.add_argument("ranks", nargs="?")
-    p.add_argument("--timeout", type=float)
-    return p
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 for any free one."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port in [0, 65535], got {text!r}")
+    return value
+
+
+def _usage(func: Callable[..., Any]) -> str:
+    # magic_arguments writes the usage as reStructuredText ("::\n\n  %lab ..."): plain here
+    return "usage: %" + func.parser.format_usage().split("%", 1)[1].rstrip()
+
+
+def _split(name: str, line: str) -> list[str]:
+    # shell-like words with their quotes removed, as labkit always read them (parse_argstring's
+    # own split would keep the quotes of --key-file "a b")
+    try:
+        return shlex.split(line)
+    except ValueError as exc:
+        raise UsageError(f"{name}: cannot read {line!r}: {exc}") from None
+
+
+def _parse(func: Callable[..., Any], argv: list[str]) -> argparse.Namespace:
+    """Parse a magic's (or a `%lab` command's) arguments; a mistake says what, and the usage."""
+    try:
+        return func.parser.parse_args(argv)
+    except UsageError as exc:
+        name = "%" + func.parser.prog
+        raise UsageError(
+            f"{name}: {exc}\n{_usage(func)}\n(see {name.split()[0]}? for help)"
+        ) from None
 
 
 @magics_class
 class LabMagics(Magics):
+    """`%lab` (start, inspect and stop the notebook's lab) and `%%ranks` (run a cell on it)."""
+
+    @magic_arguments()
+    @argument("command", choices=COMMANDS, metavar="COMMAND", help=", ".join(COMMANDS))
+    @argument(
+        "args", nargs=argparse.REMAINDER, metavar="ARGS", help="the command's arguments (below)"
+    )
     @line_magic
     def lab(self, line: str) -> Any:
-        args = _lab_parser().parse_args(shlex.split(line))
-        if args.cmd == "start":
+        """Start, inspect and stop the notebook's lab of ranks.
+
+        For example `%lab start 4`, then `%%ranks` cells, `%lab status`, `%lab stop`. Each
+        command and its arguments are below; the Python API behind them is `labkit.Lab`.
+        """
+        argv = _split("%lab", line)
+        if not argv:
+            raise UsageError(f"%lab needs a command, one of: {', '.join(COMMANDS)} (see %lab?)")
+        args = _parse(self.lab, argv)
+        command = getattr(self, f"_lab_{args.command}")
+        return command(_parse(command, args.args))
+
+    @magic_arguments("lab start")
+    @argument("n", type=int, nargs="?", metavar="N", help="ranks (default: one per GPU, else 4)")
+    @argument("--backend", default="auto", choices=BACKENDS, help="default: auto")
+    @argument("--device", default="auto", choices=DEVICES, help="default: auto")
+    @argument(
+        "--timeout", type=_seconds, metavar="S", help="seconds a cell may run (default: no limit)"
+    )
+    def _lab_start(self, args: argparse.Namespace) -> None:
+        """Start a lab of N ranks, make it current and bind it to `lab`."""
+        try:
             lab = lab_module.Lab(
                 args.n, backend=args.backend, device=args.device, timeout=args.timeout
             )
-            self.shell.user_ns["lab"] = lab
-            print(f"lab ready: {lab.choice.reason}; bound to `lab`")
-            return None
-        if args.cmd == "attach":
+        except ValueError as exc:  # the lab checks its arguments before it starts anything
+            raise UsageError(str(exc)) from None
+        self.shell.user_ns["lab"] = lab
+        print(f"lab ready: {lab.choice.reason}; bound to `lab`")
+
+    @magic_arguments("lab attach")
+    @argument("n", type=int, metavar="N", help="ranks in all, across every node")
+    @argument("--host", default="127.0.0.1", help="address to listen on (default: loopback)")
+    @argument("--port", type=_port, default=0, help="port to listen on (default: any free one)")
+    @argument("--key-file", metavar="F", help="where to write the lab's key (mode 600)")
+    @argument("--nnodes", type=_count, default=1, metavar="K", help="nodes (default: 1)")
+    @argument(
+        "--timeout", type=_seconds, metavar="S", help="seconds a cell may run (default: no limit)"
+    )
+    def _lab_attach(self, args: argparse.Namespace) -> None:
+        """Make a lab of N ranks started by torchrun: print its torchrun command and wait."""
+        try:
             lab = lab_module.Lab.attach(
                 args.n,
                 args.host,
@@ -82,26 +150,58 @@ class LabMagics(Magics):
                 nnodes=args.nnodes,
                 timeout=args.timeout,
             )
-            self.shell.user_ns["lab"] = lab
-            print(f"lab ready: {lab.choice.reason}; bound to `lab`")
-            return None
-        lab = lab_module.current()
-        if args.cmd == "status":
-            return show_status(lab.status_report())
-        if args.cmd == "restart":
-            lab.restart(args.n)
-            print(f"ranks restarted: {lab.choice.reason}")
-        elif args.cmd == "stop":
-            lab.stop()
-            print("lab stopped")
-        elif args.cmd == "logs":
-            print(read_log(lab.log_dir, args.rank, lab.world_size, args.lines), end="")
-        return None
+        except ValueError as exc:  # the lab checks its arguments before it starts anything
+            raise UsageError(str(exc)) from None
+        self.shell.user_ns["lab"] = lab
+        print(f"lab ready: {lab.choice.reason}; bound to `lab`")
 
+    @magic_arguments("lab status")
+    def _lab_status(self, args: argparse.Namespace) -> None:
+        """Show the backend and device, and per rank its pid, device and whether it is alive."""
+        show_status(lab_module.current().status_report())
+
+    @magic_arguments("lab restart")
+    @argument("n", type=int, nargs="?", metavar="N", help="new number of ranks (default: same)")
+    def _lab_restart(self, args: argparse.Namespace) -> None:
+        """Kill the ranks and start new ones; variables on the ranks are lost."""
+        lab = lab_module.current()
+        try:
+            lab.restart(args.n)
+        except ValueError as exc:  # the lab checks its arguments before it starts anything
+            raise UsageError(str(exc)) from None
+        print(f"ranks restarted: {lab.choice.reason}")
+
+    @magic_arguments("lab stop")
+    def _lab_stop(self, args: argparse.Namespace) -> None:
+        """End the ranks and their fork server."""
+        lab_module.current().stop()
+        print("lab stopped")
+
+    @magic_arguments("lab logs")
+    @argument("rank", type=int, metavar="RANK", help="whose output to show")
+    @argument("--lines", type=_count, default=200, metavar="N", help="how many (default: 200)")
+    def _lab_logs(self, args: argparse.Namespace) -> None:
+        """Show the end of a rank's complete output, kept on disk (it survives a crash)."""
+        lab = lab_module.current()
+        print(read_log(lab.log_dir, args.rank, lab.world_size, args.lines), end="")
+
+    @magic_arguments("%ranks")  # so that the usage reads %%ranks
+    @argument("ranks", nargs="?", metavar="RANKS", help="all (default), or such as 0,2 or 1-3")
+    @argument("--timeout", type=_seconds, metavar="S", help="seconds the cell may run")
     @cell_magic
     def ranks(self, line: str, cell: str) -> None:
-        args = _ranks_parser().parse_args(shlex.split(line))
-        results = lab_module.current().run(cell, ranks=args.ranks, timeout=args.timeout)
+        """Run the cell on every rank of the current lab at the same time, or on RANKS.
+
+        Each rank's output is tagged with its rank; the value of the last expression is shown
+        per rank (end the cell with `;` to hide it). A rank's error names the rank.
+        """
+        args = _parse(self.ranks, _split("%%ranks", line))
+        lab = lab_module.current()
+        try:
+            lab.ranks(args.ranks)
+        except ValueError as exc:
+            raise UsageError(f"%%ranks: {exc}\n{_usage(self.ranks)}") from None
+        results = lab.run(cell, ranks=args.ranks, timeout=args.timeout)
         if not cell.rstrip().endswith(";"):
             page = values_html({r: res for r, res in results.items() if res.error is None})
             if page:
@@ -109,17 +209,21 @@ class LabMagics(Magics):
         results.raise_for_errors()
 
 
+# `%lab?` shows every command's help after the magic's own
+LabMagics.lab.__doc__ += "\ncommands:\n\n" + "\n".join(
+    getattr(LabMagics, f"_lab_{name}").__doc__ for name in COMMANDS
+)
+
+
 def read_log(log_dir: str, rank: int, world_size: int, lines: int) -> str:
-    """The last `lines` lines of a rank's complete output (kept on disk, survives crashes)."""
+    """What `%lab logs RANK` prints: the end of the rank's log file, then where the file is."""
     if not 0 <= rank < max(world_size, 1):
         raise UsageError(f"rank {rank} out of range: ranks are 0-{world_size - 1}")
-    path = os.path.join(log_dir, f"rank-{rank}.log")
-    if not os.path.exists(path):
+    path = log_path(log_dir, rank)
+    text = read_tail(log_dir, rank, lines, every_process=True)
+    if not text:
         return f"(no output from rank {rank} yet: {path})\n"
-    with open(path, "rb") as f:
-        f.seek(max(0, os.path.getsize(path) - (8 << 20)))  # a flood's log can be huge
-        text = f.read().decode(errors="replace")
-    return "".join(text.splitlines(True)[-lines:]) + f"--- {path}\n"
+    return f"{text}\n--- {path}\n"
 
 
 def show_status(report: dict[str, Any]) -> None:
