@@ -1,15 +1,17 @@
 """labkit: a Jupyter-driven lab for learning and debugging PyTorch parallelism.
 
 Kernel side: `Lab` (start ranks, run code on them, pull and push values), the views, and the
-IPython extension (`%load_ext labkit`). Rank side: `span` marks compute regions for the
-timeline. Names load lazily, so a rank importing `labkit.rank.worker` never pulls in the kernel's
-dependencies (IPython, ipywidgets, plotly).
+IPython extension (`%load_ext labkit`, which also calls `prewarm()`). Rank side: `span` marks
+compute regions for the timeline. Names load lazily, so a rank importing `labkit.rank.worker`
+never pulls in the kernel's dependencies (IPython, ipywidgets, plotly).
+
+Importing labkit starts nothing: no process, no thread. A fork server starts when a lab needs
+one, or ahead of time through `prewarm()`.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 __version__ = "0.1.0"
@@ -60,6 +62,7 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
+    """`%load_ext labkit`: add the `%lab` and `%%ranks` magics, then `prewarm()` (kernel side)."""
     from labkit.kernel.magics import load
 
     load(ipython)
@@ -67,16 +70,12 @@ def load_ipython_extension(ipython: Any) -> None:
 
 
 def prewarm() -> None:
-    """Start a fork server (it imports torch) now, so the next `Lab(n)` only forks.
+    """Start a fork server now (it imports torch), so the next `Lab(n)` only forks. Kernel side.
 
-    Done by `%load_ext labkit` and by `import labkit` inside a Jupyter kernel; set
-    LABKIT_PREWARM=0 to turn it off.
+    `%load_ext labkit` calls it; call it yourself when you use the Python API without the
+    magics. LABKIT_PREWARM=0 turns it off (a benchmark measuring a cold start sets it).
     """
     if os.environ.get("LABKIT_PREWARM", "1") != "0":
         from labkit.kernel import spawn
 
         spawn.prewarm()
-
-
-if "ipykernel" in sys.modules and os.environ.get("LABKIT_PREWARM", "1") != "0":
-    prewarm()
