@@ -3,6 +3,8 @@ that reports a stuck cell instead of repairing it, and the note a user reads aft
 
 from __future__ import annotations
 
+import shlex
+
 import pytest
 
 from labkit.kernel.attached import choose_attached, torchrun_command
@@ -47,6 +49,11 @@ def test_torchrun_command_names_the_rank_entry_point() -> None:
     assert "--nnodes=2 --nproc-per-node=2" in cmd and "-m labkit.rank --connect head:5555" in cmd
     with pytest.raises(ValueError, match="not a multiple"):
         torchrun_command(3, "head:5555", "/k", nnodes=2)
+
+
+def test_torchrun_command_quotes_a_key_file_path_for_the_shell() -> None:
+    cmd = torchrun_command(2, "head:5555", "/home/a b/lab.key")
+    assert shlex.split(cmd)[-2:] == ["--key-file", "/home/a b/lab.key"]
 
 
 class FakeChannel:

@@ -8,6 +8,7 @@
 2. No module in labkit/ is over 400 lines.
 3. No import cycle among labkit's modules through module-level imports.
 4. Every module of `labkit.kernel`, `labkit.rank` and `labkit.wire` has a docstring.
+5. Every Markdown file the code, tests, notebooks and docs cite is in the repo.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -337,3 +339,30 @@ def test_kernel_rank_and_wire_modules_have_a_docstring() -> None:
         "modules without a docstring (say what the module does and where it runs):\n  "
         + "\n  ".join(missing)
     )
+
+
+# -------------------------------------------------------------------- 5. cited docs
+
+CITED = re.compile(r"(?<![\w/.])((?:[\w.-]+/)*[\w.-]+\.md)\b")
+
+
+def _citations(text: str) -> set[str]:
+    """Markdown files named in `text` (a path such as docs/design.md, or a bare README.md)."""
+    return {m.group(1) for m in CITED.finditer(text) if "://" not in text[: m.start()][-12:]}
+
+
+def test_every_cited_markdown_file_is_in_the_repo() -> None:
+    sources = [*PACKAGE.rglob("*.py"), *(ROOT / "tests").glob("*.py")]
+    sources += [*(ROOT / "notebooks").glob("*.ipynb"), *(ROOT / "docs").glob("*.md")]
+    sources += [ROOT / "README.md"]
+    missing = []
+    for path in sources:
+        for name in _citations(path.read_text()):
+            if not (ROOT / name).exists() and not (path.parent / name).exists():
+                missing.append(f"{path.relative_to(ROOT)} cites {name}")
+    assert not missing, "cited files the repo does not have:\n  " + "\n  ".join(sorted(missing))
+
+
+def test_citation_finder_sees_paths_and_bare_names() -> None:
+    text = "see docs/design.md, GONE" + ".md and https://example.org/x.md"
+    assert _citations(text) == {"docs/design.md", "GONE" + ".md"}

@@ -74,13 +74,14 @@ def _write_log(log_dir, rank: int, parts: list[list[str]]) -> None:
 
 def test_read_tail_keeps_the_latest_process_and_drops_labkit_frames(tmp_path):
     frame = '  File "/x/labkit/rank/worker.py", line 9, in serve'
-    _write_log(tmp_path, 1, [["old 1", "old 2"], ["new 1", frame, "new 2", ""]])
-    assert read_tail(str(tmp_path), 1, 10) == f"new 1\n{frame}\nnew 2"
+    user = '  File "/x/labkit/rank/user_code.py", line 4, in run_cell'
+    _write_log(tmp_path, 1, [["old 1", "old 2"], ["new 1", frame, "new 2", user, ""]])
+    assert read_tail(str(tmp_path), 1, 10) == f"new 1\n{frame}\nnew 2\n{user}"
     assert read_tail(str(tmp_path), 1, 10, drop_noise=True) == "new 1\nnew 2"
     assert read_tail(str(tmp_path), 1, 1, drop_noise=True) == "new 2"
     every = read_tail(str(tmp_path), 1, 10, every_process=True)
     assert every.startswith(f"{LOG_HEADER}rank 1 pid 0") and "old 2" in every
-    assert every.endswith("new 2") and every.count(LOG_HEADER) == 2
+    assert every.endswith(user) and every.count(LOG_HEADER) == 2
     assert read_tail(str(tmp_path), 1, 0) == ""
     assert read_tail(str(tmp_path), 7, 10) == ""  # no log yet
 

@@ -1,5 +1,5 @@
 """Ring all-reduce from isend/recv: the schedule by hand, and the ranks' result, step count and
-bytes sent checked against dist.all_reduce and 2(p-1)/p of the buffer (REFERENCES.md)."""
+bytes sent checked against dist.all_reduce and 2(p-1)/p of the buffer (docs/references.md)."""
 
 from __future__ import annotations
 

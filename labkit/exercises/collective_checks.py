@@ -165,7 +165,7 @@ def owner_chunk(i, p):
 # -- 14: measuring ----------------------------------------------------------------------------
 def check_alpha_beta(fn: Callable[[float, float, float, int], float]) -> Verdict:
     """`fn(alpha, beta, nbytes, p)`: the alpha-beta time of a ring all_reduce,
-    2(p-1)·alpha + 2(p-1)/p·nbytes·beta (REFERENCES.md). Pure; no ranks."""
+    2(p-1)·alpha + 2(p-1)/p·nbytes·beta (docs/references.md). Pure; no ranks."""
     for alpha, beta, n, p in [(1e-4, 1e-9, 4096, 4), (5e-5, 2e-10, 2**24, 8), (1e-3, 0.0, 1, 2)]:
         want = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta
         try:

@@ -16,6 +16,7 @@ heartbeats, and a stuck cell leaves the lab unusable until the torchrun job is r
 from __future__ import annotations
 
 import os
+import shlex
 import socket
 import time
 from typing import Any
@@ -43,7 +44,7 @@ def torchrun_command(world_size: int, endpoint: str, key_file: str, nnodes: int 
     rdzv = "" if nnodes == 1 else " --rdzv-backend=c10d --rdzv-endpoint=HEAD_HOST:29500"
     return (
         f"torchrun --nnodes={nnodes} --nproc-per-node={per_node}{rdzv} "
-        f"-m labkit.rank --connect {endpoint} --key-file {key_file}"
+        f"-m labkit.rank --connect {endpoint} --key-file {shlex.quote(key_file)}"
     )
 
 

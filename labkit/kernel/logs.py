@@ -16,8 +16,9 @@ from labkit.wire.logfile import LOG_HEADER, log_path
 TAIL_BYTES = 8 << 20  # a rank that floods its output leaves a huge log: read only its end
 
 # lines of a crash report that say nothing to a learner (labkit's and Python's own frames)
+LABKIT_RANK_FILES = r"worker|fork_server|user_code|process_group|torchrun_entry"
 NOISE = re.compile(
-    r"labkit[/\\]rank[/\\](worker|fork_server)\.py|<frozen runpy>|^Extension modules:"
+    rf"labkit[/\\]rank[/\\]({LABKIT_RANK_FILES})\.py|<frozen runpy>|^Extension modules:"
 )
 
 

@@ -10,7 +10,7 @@ Ring all-reduce over p ranks splits the buffer into p chunks and runs two phases
   (i - s) mod p with what it receives, so every rank ends with every summed chunk.
 
 That is 2(p-1) steps; each rank sends 2(p-1) chunks of n/p elements, 2(p-1)/p of the buffer,
-whatever p is (REFERENCES.md). The naive version sends every buffer to a root, which sums them
+whatever p is (docs/references.md). The naive version sends every buffer to a root, which sums them
 and sends the result back: the root sends and receives (p-1)·n, the others n each.
 
 Each step posts its send with `isend`, receives with `recv`, then waits for the send: if every

@@ -2,8 +2,8 @@
 
 The alpha-beta model says one call of a collective on n bytes takes t = alpha + beta·n: alpha a
 fixed latency per call, beta seconds per byte (1/beta a bandwidth). For a ring all_reduce over p
-ranks the model's terms are 2(p-1)·alpha_link and 2(p-1)/p·n·beta_link (REFERENCES.md), so a fit
-of t = alpha + beta·n to all_reduce times gives alpha = 2(p-1)·alpha_link and
+ranks the model's terms are 2(p-1)·alpha_link and 2(p-1)/p·n·beta_link (docs/references.md),
+so a fit of t = alpha + beta·n to all_reduce times gives alpha = 2(p-1)·alpha_link and
 beta = 2(p-1)/p·beta_link. `fit_alpha_beta` is ordinary least squares on (n, t); `show_sweep`
 draws the measured times and the fitted lines on log-log axes, with algbw/busbw per row and a
 warning when ranks outnumber CPU cores.
