@@ -134,7 +134,7 @@ def test_two_labs_side_by_side_do_not_collide():
         frames = b.channel.codec.encode(
             {"type": "exec", "id": 999, "code": "import os; os._exit(7)", "gen": a.channel.gen}
         )
-        a.channel.ctrl.send_multipart([b"r0", *frames])
+        a.channel.ctrl.send_multipart([a.channel.routes[0], *frames])
         time.sleep(0.3)
         assert a.run("rank").values_by_rank == {0: 0, 1: 1}
         assert "rejected a message" in open(os.path.join(a.log_dir, "rank-0.log")).read()

@@ -4,9 +4,11 @@ that reports a stuck cell instead of repairing it, and the note a user reads aft
 from __future__ import annotations
 
 import shlex
+import types
 
 import pytest
 
+from labkit.kernel import cell_run
 from labkit.kernel.attached import choose_attached, torchrun_command
 from labkit.kernel.cell_run import CellOutcome, CellRun, recovery_note
 from labkit.kernel.channel import Stuck
@@ -101,7 +103,8 @@ def test_a_stuck_cell_is_reported_not_repaired() -> None:
     outcome = run.run({"type": "exec", "id": 7, "code": "1"})
     assert isinstance(outcome.stuck, Stuck) and "all_reduce #3" in str(outcome.stuck)
     assert launcher.calls == []  # neither killed nor restarted: the lab decides that
-    assert channel.sent == [([0, 1], {"type": "exec", "id": 7, "code": "1"})]
+    msg = {"type": "exec", "id": 7, "code": "1"}
+    assert channel.sent == [([0], msg), ([1], msg)]
 
 
 def test_stop_interrupts_through_the_launcher_and_a_second_stop_is_stuck() -> None:
@@ -111,7 +114,58 @@ def test_stop_interrupts_through_the_launcher_and_a_second_stop_is_stuck() -> No
         {"type": "exec", "id": 1, "code": "1"}
     )
     assert launcher.calls == ["interrupt [0, 1]"]
-    assert str(outcome.stuck) == "Stop was pressed twice"
+    assert str(outcome.stuck).startswith("Stop was pressed twice; rank 0 did not stop")
+
+
+class PressedOnce(FakeChannel):
+    """Stop lands while the request is being sent to rank 1; the ranks then stop in turn."""
+
+    def __init__(self):
+        super().__init__(KeyboardInterrupt())
+        self.pressed = False
+        self.pumps = 0
+
+    def send(self, ranks, msg) -> None:
+        if ranks == [1] and not self.pressed:
+            self.pressed = True
+            raise KeyboardInterrupt
+        super().send(ranks, msg)
+
+    def pump(self, pending, expect, replies=None, watch=None, **kw):
+        self.pumps += 1
+        for _ in range(3):  # three polls, a second apart: the watch re-sends Stop
+            watch(set(pending))
+        for r in pending:
+            replies[r] = {"type": "done", "id": 1, "error": {"type": "KeyboardInterrupt"}}
+        return replies
+
+    def catch_up_streams(self, replies) -> None:
+        pass
+
+
+def test_stop_pressed_while_sending_still_sends_to_every_rank_then_stops_them(monkeypatch):
+    ticks = iter(range(1000))  # a clock that moves a second each time it is read
+    monkeypatch.setattr(cell_run, "time", types.SimpleNamespace(monotonic=lambda: next(ticks)))
+    channel = PressedOnce()
+    launcher = FakeLauncher(channel)
+    msg = {"type": "exec", "id": 1, "code": "while True: pass"}
+    outcome = CellRun(channel, launcher, 2, cell=1, targets=[0, 1], timeout=None).run(msg)
+    assert channel.sent == [([0], msg), ([1], msg)]  # rank 1 got the cell despite the Stop
+    assert channel.pumps == 1  # straight to stopping: the cell's own wait never began
+    assert launcher.calls[0] == "interrupt [0, 1]" and len(launcher.calls) >= 2  # re-sent
+    assert outcome.stuck is None and set(outcome.errors) == {0, 1}
+
+
+def test_a_live_rank_that_never_took_the_request_makes_the_cell_stuck() -> None:
+    channel = FakeChannel(KeyboardInterrupt())
+    run = CellRun(channel, FakeLauncher(channel), 2, cell=5, targets=[0, 1], timeout=None)
+    run.started = 100.0
+    channel.status = {0: {"received": 100.0 + cell_run.ACK_S + 1, "taken": 4, "busy": None}}
+    channel.status[1] = {"received": 100.0 + cell_run.ACK_S + 1, "taken": 5, "busy": 5}
+    with pytest.raises(Stuck, match="rank 0 is alive but has not received this request"):
+        run._tick({0, 1})
+    channel.status[0]["taken"] = 5  # it did take it: no complaint
+    run._tick({0, 1})
 
 
 def test_recovery_note_names_the_dead_rank_first_and_what_was_lost() -> None:

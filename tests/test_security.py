@@ -53,8 +53,9 @@ def two_labs():
 def test_forged_message_to_a_rank_is_rejected_unpickled_and_logged(two_labs, tmp_path):
     a, _ = two_labs
     trap = tmp_path / "unpickled"
-    a.channel.ctrl.send_multipart([b"r1", *forged(str(trap), gen=a.channel.gen)])
-    a.channel.ctrl.send_multipart([b"r1", b"short"])  # malformed: one frame
+    route = a.channel.routes[1]  # the connection rank 1 signed in from
+    a.channel.ctrl.send_multipart([route, *forged(str(trap), gen=a.channel.gen)])
+    a.channel.ctrl.send_multipart([route, b"short"])  # malformed: one frame
     time.sleep(0.5)
     assert not trap.exists()
     assert a.run("rank").values_by_rank == {0: 0, 1: 1}

@@ -26,12 +26,13 @@ from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.policy import Choice, choose
 from labkit.kernel.results import LabError
 from labkit.wire.key_file import write_key_file
-from labkit.wire.messages import Exit, Init, Welcome
+from labkit.wire.messages import Exit, Init, Leave, Welcome
 
 HEARTBEAT_LOST = 10.0  # seconds of silence after which an attached rank counts as gone
 CANNOT_RESTART = (
     "this lab's ranks were started by torchrun, not by labkit, so labkit cannot restart "
-    "them: stop the torchrun job (Ctrl-C in its terminal, or scancel), then call "
+    "them: it told them to leave, which ends the torchrun job (if a rank stuck inside a C++ "
+    "op cannot leave, stop the job: Ctrl-C in its terminal, or scancel). Then call "
     "Lab.attach(...) again and start torchrun with the command it prints"
 )
 
@@ -153,6 +154,12 @@ class TorchrunRanks(RankLauncher):
                     f"rank {r} sent no heartbeat for {HEARTBEAT_LOST:.0f} s: its process "
                     "may have died (see torchrun's output on its node)"
                 )
+
+    def abandon(self, why: str) -> None:
+        """A cell the ranks did not finish: their heartbeat threads read `leave` and exit, even
+        while their user code still runs, so the torchrun job ends instead of spinning on."""
+        self.channel.send_side(list(self.pids), Leave(type="leave", why=why))
+        self.channel.flush_side(timeout=2.0)
 
     def stop(self) -> None:
         """Ask torchrun's ranks to leave; their job then ends."""

@@ -2,10 +2,13 @@
 
 `CellRun.run()` sends the cell, waits in the channel's loop and, while it waits, shows the live
 status and asks the watchdog whether the cell can still finish. Stop (Ctrl-C, the notebook's
-interrupt) interrupts the running ranks through the launcher and gives them `STOP_GRACE`
-seconds. A cell that cannot finish is not repaired here: `run()` returns an outcome whose
-`stuck` says why, and the lab decides what recovery means for its ranks (a restart, or a lab
-marked unusable for ranks it cannot restart).
+interrupt) is never lost: pressed at any moment of the call, it interrupts the ranks through the
+launcher, which latches it on the rank (a cell not started yet does not start), re-sends it
+every `RESEND_S` and gives the ranks `STOP_GRACE` seconds; a second Stop gives up at once. A
+rank that has not taken the cell `ACK_S` after it was sent, while its heartbeats say it is
+alive, makes the cell stuck too (its request was lost). A cell that cannot finish is not
+repaired here: `run()` returns an outcome whose `stuck` says why, and the lab decides what
+recovery means for its ranks (a restart, or a lab marked unusable for ranks it cannot restart).
 """
 
 from __future__ import annotations
@@ -22,10 +25,12 @@ from labkit.kernel.channel import Channel, Stuck
 from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.live import LiveStatus
 from labkit.kernel.results import CellState, LabkitWarning, RankResult, Results
-from labkit.kernel.watchdog import diagnose
+from labkit.kernel.watchdog import diagnose, op_text
 from labkit.wire.messages import Exec, KernelToRank
 
-STOP_GRACE = 2.0  # seconds ranks get to stop after Stop before the cell counts as stuck
+STOP_GRACE = 3.0  # seconds ranks get to stop after Stop before the cell counts as stuck
+RESEND_S = 0.5  # Stop is sent again this often while the ranks have not stopped
+ACK_S = 15.0  # a live rank that has not taken a request this long after it was sent lost it
 _COLLECTIVE = re.compile(
     r"\b(all_reduce|all_gather\w*|reduce_scatter\w*|all_to_all\w*|broadcast|barrier|reduce|"
     r"scatter|gather)\s*\("
@@ -96,22 +101,25 @@ class CellRun:
         self.live = LiveStatus(targets, lab=live_owner)
         self.replies: dict[int, dict[str, Any]] = {}
         self.started = 0.0
+        self._resent = 0.0
 
     def run(self, msg: KernelToRank) -> CellOutcome:
         self.channel.output.reset()
         self.started = time.monotonic()
         deadline = self.started + self.timeout if self.timeout else None
         stuck: Stuck | None = None
-        self.channel.send(self.targets, msg)
         try:
             try:
+                pressed = self._send(msg)
+                if pressed:
+                    raise KeyboardInterrupt
                 self.channel.pump(
                     set(self.targets),
                     "done",
                     msg_id=self.cell,
                     deadline=deadline,
                     replies=self.replies,
-                    watch=self._watch,
+                    watch=self._tick,
                 )
             except KeyboardInterrupt:
                 self._stop()
@@ -126,6 +134,29 @@ class CellRun:
         if stuck is None:
             self.channel.catch_up_streams(self.replies)
         return outcome
+
+    def _send(self, msg: KernelToRank) -> bool:
+        """Send the request to every target, even if Stop is pressed meanwhile (a rank takes a
+        request id once, so one sent twice runs once). Returns whether Stop was pressed."""
+        pressed, left = False, list(self.targets)
+        while left:
+            try:
+                self.channel.send(left[:1], msg)
+                left.pop(0)
+            except KeyboardInterrupt:
+                pressed = True
+        return pressed
+
+    def _tick(self, pending: set[int]) -> None:
+        """Between polls: the watchdog and the live status, and a request that never arrived."""
+        for r in sorted(pending):
+            st = self.channel.status.get(r, {})
+            if st.get("received", 0.0) > self.started + ACK_S and st.get("taken", 0) < self.cell:
+                raise Stuck(
+                    f"rank {r} is alive but has not received this request {ACK_S:.0f} s after "
+                    "it was sent (the message was lost, or another process took its connection)"
+                )
+        self._watch(pending)
 
     def _watch(self, pending: set[int]) -> None:
         states = self.states(pending)
@@ -147,26 +178,50 @@ class CellRun:
         self.launcher.watch(pending, self.started)
 
     def _stop(self) -> None:
-        """Stop pressed: interrupt the running ranks; if they do not stop, the cell is stuck."""
+        """Stop pressed: interrupt the running ranks, again every `RESEND_S` until they answer;
+        ranks that do not stop within `STOP_GRACE` (or a second Stop) make the cell stuck."""
         running = [r for r in self.targets if r not in self.replies]
-        self.launcher.interrupt(running, self.cell)
         try:
+            self._interrupt(running)
             self.channel.pump(
                 set(running),
                 "done",
                 msg_id=self.cell,
                 deadline=time.monotonic() + STOP_GRACE,
                 replies=self.replies,
-                watch=self._watch,
+                watch=self._stopping,
             )
         except KeyboardInterrupt:
-            raise Stuck("Stop was pressed twice") from None
+            raise Stuck(f"Stop was pressed twice; {self._still_running(running)}") from None
         except Stuck as stuck:
-            still = sorted(set(running) - set(self.replies))
             raise Stuck(
-                f"Stop was pressed, and rank(s) {still} did not stop within "
-                f"{STOP_GRACE:.0f} s ({stuck})"
+                f"Stop was pressed, and {self._still_running(running)} after "
+                f"{STOP_GRACE:.0f} s ({stuck})",
+                died=stuck.died,
             ) from None
+
+    def _interrupt(self, ranks: list[int]) -> None:
+        self._resent = time.monotonic()
+        self.launcher.interrupt(ranks, self.cell)
+
+    def _stopping(self, pending: set[int]) -> None:
+        if time.monotonic() - self._resent >= RESEND_S:
+            self._interrupt(sorted(pending))
+        self._watch(pending)
+
+    def _still_running(self, running: list[int]) -> str:
+        """What the ranks that did not stop are doing: a line of the cell, or a comm op."""
+        parts = []
+        for s in self.states(set(running) - set(self.replies)):
+            if s.state != "running":
+                continue
+            if s.op is not None:
+                parts.append(f"rank {s.rank} is inside {op_text(s.op)} (C++: Stop cannot reach it)")
+            elif s.line is not None:
+                parts.append(f"rank {s.rank} still runs line {s.line} of the cell")
+            else:
+                parts.append(f"rank {s.rank} did not stop")
+        return "; ".join(parts) or "the ranks did not answer"
 
     def states(self, pending: set[int]) -> list[CellState]:
         """What each rank of the lab is doing for this cell (running, finished, died...)."""

@@ -12,6 +12,10 @@ connect over TCP on the address the user chose (loopback by default).
 arrives, notices dead ranks (the fork server reports exits at once) and calls the caller's
 `watch` (the watchdog, the live status); Ctrl-C surfaces from it as KeyboardInterrupt.
 
+Routes: a rank's sockets have no fixed ZeroMQ identity. The kernel learns the route of a rank's
+ctrl socket from its signed `hello` (or `attach`) and afterwards takes that rank's replies only
+from that route, so another process cannot take a rank's place by claiming its name.
+
 Generations: each (re)start of the ranks has a new number, and messages from an older
 generation are dropped, so a restart never mixes old and new replies.
 """
@@ -36,7 +40,7 @@ from labkit.kernel.output import RankOutput
 from labkit.kernel.results import LabError, LabkitWarning
 from labkit.wire.codec import AuthenticationError, Codec
 from labkit.wire.logfile import log_path
-from labkit.wire.messages import Done, Interrupt, KernelToRank, Ping
+from labkit.wire.messages import Done, Interrupt, KernelToRank, Leave, Ping
 
 
 class Stuck(Exception):
@@ -65,7 +69,7 @@ class Channel:
         self.output = RankOutput()
         self.closed = False
         self._seen_seq: dict[int, int] = {}
-        self._side_out: deque[tuple[int, KernelToRank]] = deque()
+        self._side_out: deque[tuple[int, int, KernelToRank]] = deque()  # (gen, rank, message)
         self._side_routes: dict[int, bytes] = {}
         self.ctrl = self._bind("ctrl")
         self.side = self._bind("side")
@@ -86,7 +90,6 @@ class Channel:
             host, port = self.listen
             sock.bind(f"tcp://{host}:{port if name == 'ctrl' else 0}")
             return sock
-        sock.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted rank takes over its identity
         sock.bind(f"ipc://{os.path.join(self.sock_dir, name)}")
         return sock
 
@@ -98,6 +101,8 @@ class Channel:
     def new_generation(self) -> int:
         """Forget everything about the ranks before a (re)start; returns the new number."""
         self.gen += 1
+        self.routes.clear()
+        self._side_routes.clear()
         self.status.clear()
         self.events.clear()
         self.dead.clear()
@@ -129,11 +134,8 @@ class Channel:
         remote = self.listen is not None
         while not self.closed:
             try:
-                while self._side_out:  # Stop for attached ranks (they cannot be signalled)
-                    rank, out = self._side_out.popleft()
-                    if rank in self._side_routes:
-                        self.side.send_multipart([self._side_routes[rank], *self.codec.encode(out)])
-                if not self.side.poll(50 if remote else 200):
+                self._send_side_out()
+                if not self.side.poll(50):  # often: queued Stop messages go out on the next turn
                     continue
                 frames = self.side.recv_multipart(copy=False)
             except zmq.ZMQError:
@@ -155,6 +157,20 @@ class Channel:
             elif msg["type"] == "stream":
                 self._post("stream", msg)
 
+    def _send_side_out(self) -> None:
+        """Send queued side messages (Stop, leave) to ranks whose side route is known; keep the
+        others until their rank's first heartbeat shows the route; drop an older generation's."""
+        held = []
+        while self._side_out:
+            gen, rank, out = self._side_out.popleft()
+            if gen != self.gen:
+                continue
+            if rank in self._side_routes:
+                self.side.send_multipart([self._side_routes[rank], *self.codec.encode(out)])
+            else:
+                held.append((gen, rank, out))
+        self._side_out.extend(held)
+
     def _log_remote(self, msg: dict[str, Any]) -> None:
         try:
             fd = os.open(
@@ -169,13 +185,26 @@ class Channel:
     def send(self, ranks: Iterable[int], msg: KernelToRank) -> None:
         frames = self.codec.encode(msg)
         for r in ranks:
-            ident = self.routes.get(r) or f"r{r}".encode()
-            self.ctrl.send_multipart([ident, *frames], copy=False)
+            if r not in self.routes:
+                raise LabError(f"rank {r} has not signed in, so nothing can be sent to it")
+            self.ctrl.send_multipart([self.routes[r], *frames], copy=False)
+
+    def send_side(self, ranks: Iterable[int], msg: Interrupt | Leave) -> None:
+        """A message on `side` (read by the rank's heartbeat thread, even while its user code
+        runs), sent by the I/O thread once the rank's first heartbeat has shown its route."""
+        for r in ranks:
+            self._side_out.append((self.gen, r, msg))
+
+    def flush_side(self, timeout: float) -> bool:
+        """Wait (at most `timeout` s) until the I/O thread has sent every queued side message."""
+        deadline = time.monotonic() + timeout
+        while self._side_out and time.monotonic() < deadline:
+            time.sleep(0.01)
+        return not self._side_out
 
     def send_interrupt(self, ranks: Iterable[int], cell: int) -> None:
-        """Stop for ranks labkit cannot signal: a message on `side`, sent by the I/O thread."""
-        for r in ranks:
-            self._side_out.append((r, Interrupt(type="interrupt", cell=cell)))
+        """Stop for `cell`: the rank latches it (see labkit.rank.worker)."""
+        self.send_side(ranks, Interrupt(type="interrupt", cell=cell))
 
     # -- the one waiting loop ---------------------------------------------------------------
     def pump(
@@ -232,7 +261,8 @@ class Channel:
                 return None
         if msg.get("gen") != self.gen:
             return None
-        self.routes[msg["rank"]] = frames[0].bytes
+        if not self._from_its_route(msg, frames[0].bytes):
+            return None
         if msg["type"] == "fatal":
             err = msg["error"]
             raise LabError(
@@ -240,6 +270,26 @@ class Channel:
                 f"{err['message']}\n{err['traceback']}"
             )
         return msg
+
+    def _from_its_route(self, msg: dict[str, Any], ident: bytes) -> bool:
+        """Whether `msg` came over the route its rank signed in from (a hello or attach sets it).
+
+        A `fatal` may come before the hello (a rank that could not start): it is let through.
+        """
+        rank, known = msg.get("rank"), self.routes.get(msg.get("rank", -1))
+        if msg["type"] in ("hello", "attach") and (known is None or msg["type"] == "attach"):
+            self.routes[rank] = ident
+            return True
+        if known == ident or (known is None and msg["type"] == "fatal"):
+            return True
+        self.rejected += 1
+        warnings.warn(
+            f"labkit dropped a {msg['type']!r} that claims to be from rank {rank} but came "
+            "over another connection than the one that rank signed in from",
+            LabkitWarning,
+            stacklevel=5,
+        )
+        return False
 
     def _undecodable(
         self, ident: bytes, exc: Exception, expect: str, msg_id: int | None

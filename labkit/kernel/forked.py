@@ -3,8 +3,8 @@
 The fork server (labkit.rank.fork_server, driven through labkit.kernel.spawn) has torch
 imported already, so a start or restart costs a fork. Rank 0 binds the rendezvous store on
 port 0 and says the port in its `hello`; the kernel hands it to every rank in `init`.
-labkit owns these processes: Stop is SIGINT, a stuck cell is recovered by SIGKILL and a new
-fork, and the fork server reports each exit the moment it happens.
+labkit owns these processes: Stop is a message the rank latches, a stuck cell is recovered by
+SIGKILL and a new fork, and the fork server reports each exit the moment it happens.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from labkit.kernel import spawn
 from labkit.kernel.channel import Channel
 from labkit.kernel.launcher import RankLauncher
-from labkit.kernel.policy import Choice, choose
+from labkit.kernel.policy import Choice, choose, threads_per_rank
 from labkit.wire.config import RankConfig
 from labkit.wire.messages import Init
 
@@ -30,10 +30,12 @@ class ForkedRanks(RankLauncher):
         channel: Channel,
         requested: tuple[int | None, str, str],
         pg_timeout: float,
+        threads: int | None = None,
     ):
         super().__init__(channel)
         self.requested = requested  # (world_size or None, backend, device) as the user asked
         self.pg_timeout = pg_timeout
+        self.threads = threads  # torch threads per rank as the user asked (None: shared out)
         self._server: spawn.ForkServer | None = None
 
     @property
@@ -62,6 +64,7 @@ class ForkedRanks(RankLauncher):
         assert server is not None and choice is not None
         gen = channel.new_generation()
         n = choice.world_size
+        threads = threads_per_rank(server.wait_facts().get("cpus"), n, self.threads)
         deadline = time.monotonic() + START_TIMEOUT
         try:
             for r in range(n):
@@ -80,6 +83,7 @@ class ForkedRanks(RankLauncher):
                         log_dir=channel.log_dir,
                         master_addr="127.0.0.1",
                         pg_timeout=self.pg_timeout,
+                        threads=threads,
                     )
                 )
             self.pids = server.wait_pids(gen, list(range(n)))
@@ -96,8 +100,12 @@ class ForkedRanks(RankLauncher):
             raise
 
     def interrupt(self, ranks: list[int], cell: int) -> None:
-        assert self._server is not None
-        self._server.signal([self.pids[r] for r in ranks], signal.SIGINT)
+        """Stop as a message naming the cell, latched by the rank (labkit.rank.worker).
+
+        Not SIGINT: a signal names no cell, so one that arrives late (the fork server relays it)
+        would stop the next cell instead.
+        """
+        self.channel.send_interrupt(ranks, cell)
 
     def kill(self) -> None:
         pids = list(self.pids.values())

@@ -30,7 +30,7 @@ from labkit.kernel.forked import ForkedRanks
 from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.live import ranks_info, status_report
 from labkit.kernel.logs import read_tail
-from labkit.kernel.policy import BACKENDS, DEVICES, check_world_size
+from labkit.kernel.policy import BACKENDS, DEVICES, check_world_size, threads_per_rank
 from labkit.kernel.rank_spec import parse_ranks
 from labkit.kernel.results import LabError, LabkitWarning, RemoteError, Results
 from labkit.wire.codec import Codec, new_key
@@ -77,6 +77,7 @@ class Lab:
         timeout: float | None = None,
         pg_timeout: float = 1800,
         log_dir: str | None = None,
+        threads: int | None = None,
         start: bool = True,
         _listen: tuple[str, int] | None = None,
     ):
@@ -92,7 +93,8 @@ class Lab:
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="labkit-logs-")
         os.makedirs(self.log_dir, exist_ok=True)
         self.channel = Channel(Codec(new_key()), self.log_dir, _listen)
-        self.launcher: RankLauncher = ForkedRanks(self.channel, self.requested, pg_timeout)
+        threads_per_rank(None, 1, threads)  # bad input raises here
+        self.launcher: RankLauncher = ForkedRanks(self.channel, self.requested, pg_timeout, threads)
         self.broken: str | None = None  # why a lab of attached ranks cannot run cells any more
         self.offsets: dict[int, float] = {}
         self.closed = False
@@ -327,6 +329,7 @@ class Lab:
         cannot = self.launcher.cannot_restart
         if cannot:
             self.broken = recovery_note(outcome, t0 - outcome.started, None, cannot)
+            self.launcher.abandon(str(outcome.stuck))
             note = self.broken
         else:
             self.restart()
@@ -378,7 +381,7 @@ class Lab:
         return read_tail(self.log_dir, rank, lines=lines, drop_noise=True)
 
     def ranks_info(self) -> list[dict[str, Any]]:
-        """One dict per rank: rank, pid, host, device, backend, num_cpus."""
+        """One dict per rank: rank, pid, host, device, backend, num_cpus, threads."""
         return ranks_info(self.info, self.pids)
 
     def status_report(self) -> dict[str, Any]:

@@ -41,6 +41,13 @@ class RankLauncher(ABC):
         """
         return None
 
+    def abandon(self, why: str) -> None:
+        """The lab gave up on these ranks (they cannot be restarted): tell them to leave.
+
+        Nothing to do where labkit kills and restarts its ranks itself.
+        """
+        return None
+
     def kill(self) -> None:
         """End the ranks at once, to start them anew (only where `cannot_restart` is None)."""
         raise NotImplementedError

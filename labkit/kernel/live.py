@@ -121,7 +121,7 @@ class LiveStatus:
 
 
 def ranks_info(info: dict[int, dict[str, Any]], pids: dict[int, int]) -> list[dict[str, Any]]:
-    """One dict per rank: rank, pid, host, device, backend, num_cpus."""
+    """One dict per rank: rank, pid, host, device, backend, num_cpus, threads (torch's)."""
     return [
         {
             "rank": r,
@@ -130,6 +130,7 @@ def ranks_info(info: dict[int, dict[str, Any]], pids: dict[int, int]) -> list[di
             "device": h.get("device"),
             "backend": h.get("backend"),
             "num_cpus": h.get("num_cpus"),
+            "threads": h.get("threads"),
         }
         for r, h in sorted(info.items())
     ]

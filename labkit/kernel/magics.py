@@ -229,11 +229,13 @@ def read_log(log_dir: str, rank: int, world_size: int, lines: int) -> str:
 def show_status(report: dict[str, Any]) -> None:
     rows = "".join(
         f"<tr><td>{r['rank']}</td><td>{r['pid']}</td><td>{r['device']}</td>"
+        f"<td>{r.get('threads') or '-'}</td>"
         f"<td>{'busy' if r['busy'] else ('alive' if r['alive'] else 'DEAD')}</td></tr>"
         for r in report["ranks"]
     )
     text = "\n".join(
-        f"rank {r['rank']}: pid {r['pid']} {r['device']} {'alive' if r['alive'] else 'DEAD'}"
+        f"rank {r['rank']}: pid {r['pid']} {r['device']} {r.get('threads') or '-'} threads "
+        f"{'alive' if r['alive'] else 'DEAD'}"
         for r in report["ranks"]
     )
     head = f"{report['choice']} · logs in {report['log_dir']}"
@@ -241,7 +243,7 @@ def show_status(report: dict[str, Any]) -> None:
         {
             "text/plain": f"{head}\n{text}",
             "text/html": f"<b>{head}</b><table><tr><th>rank</th><th>pid</th><th>device</th>"
-            f"<th>state</th></tr>{rows}</table>",
+            f"<th>threads</th><th>state</th></tr>{rows}</table>",
         },
         raw=True,
     )

@@ -6,7 +6,17 @@ two ZeroMQ DEALER sockets to the kernel and serves requests until told to exit:
 - `ctrl` (main thread only): requests in (`init`, `exec`, `pull`, `push`, `trace`, `ping`,
   `exit`), replies out (`hello`, `ready`, `done`, `pong`, `fatal`).
 - `side` (any thread, behind a lock): output lines (`stream`) and the heartbeat (`status`: busy
-  or idle, the cell line running, the comm op the rank is inside).
+  or idle, the cell line running, the comm op the rank is inside, the last request taken). The
+  heartbeat thread also reads what the kernel sends on `side`: Stop (`interrupt`) and `leave`.
+
+Neither socket sets a ZeroMQ identity: the kernel routes to the socket that proved who it is
+with a signed message, so another process cannot take over a rank's route by claiming its name.
+
+Stop is latched, never lost: the kernel sends `interrupt` for a cell and re-sends it while it
+waits; the heartbeat thread reads it within `SIDE_POLL_S` while a cell runs. The rank
+remembers the cell; if its user code runs, it raises KeyboardInterrupt there (again every
+`RESTOP_S` while it keeps running); if the cell has not started yet, it is not run at all and
+reports KeyboardInterrupt.
 
 The messages are typed in `labkit.wire.messages`; what a rank starts with, in `RankConfig`.
 
@@ -63,6 +73,9 @@ from labkit.wire.messages import (
 
 HEARTBEAT_IDLE = 1.0
 HEARTBEAT_BUSY = 0.25
+SIDE_POLL_S = 0.05  # how often the heartbeat thread reads Stop while a cell runs
+RESTOP_S = 1.0  # a stopped cell whose code goes on running is interrupted again after this
+REQUESTS = ("exec", "pull", "push", "trace")  # requests with a cell id, taken at most once
 MAX_VALUE_BYTES = 1 << 30
 
 
@@ -73,23 +86,23 @@ class Rank:
         self.gen = cfg.gen
         self.codec = Codec(cfg.key)
         self.ctx = zmq.Context()
-        ident = f"r{self.rank}".encode()
-        self.ctrl = self._connect(cfg.ctrl, ident)
-        self.side = self._connect(cfg.side, ident)
+        self.ctrl = self._connect(cfg.ctrl)
+        self.side = self._connect(cfg.side)
         self.side_lock = threading.Lock()
         self.stream_seq = 0
         self.busy_cell: int | None = None
         self.in_user_code = False
+        self.taken = 0  # the id of the last request taken (ids only grow)
+        self.stop_cell: int | None = None  # Stop latched for this cell
+        self.stopped_at = 0.0  # when KeyboardInterrupt was last raised for it
         self.store: Any = None
         self.ns: dict[str, Any] = {}
 
-    def _connect(self, endpoint: str, ident: bytes) -> zmq.Socket:
-        sock = self.ctx.socket(zmq.DEALER)
-        if self.cfg.attached:  # over TCP: the kernel routes by the id it saw sign in
+    def _connect(self, endpoint: str) -> zmq.Socket:
+        sock = self.ctx.socket(zmq.DEALER)  # no identity: the kernel routes by signed messages
+        if self.cfg.attached:  # over TCP: notice a kernel that is gone
             sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, 10_000)
-        else:
-            sock.setsockopt(zmq.IDENTITY, ident)
         sock.setsockopt(zmq.LINGER, 1000)
         sock.connect(endpoint)
         return sock
@@ -108,16 +121,32 @@ class Rank:
 
         threading.Thread(target=watch, name="labkit-kernel-link", daemon=True).start()
 
-    def _take_interrupts(self) -> None:
-        """Stop pressed for an attached rank arrives on `side` (labkit cannot signal it)."""
+    def _take_side(self) -> None:
+        """Read what the kernel sent on `side` (call with `side_lock` held): Stop, leave."""
         while self.side.poll(0):
             try:
                 msg = self.codec.decode(self.side.recv_multipart(copy=False))
             except Exception as exc:  # noqa: BLE001 - forged: log it, never unpickle
                 print(f"labkit rank {self.rank}: rejected a message: {exc}", file=sys.stderr)
                 continue
-            if msg.get("type") == "interrupt" and self.in_user_code:
-                os.kill(os.getpid(), signal.SIGINT)
+            if msg.get("type") == "interrupt" and msg["cell"] >= self.taken:
+                self.stop_cell = max(msg["cell"], self.stop_cell or 0)
+            elif msg.get("type") == "leave":
+                print(f"labkit rank {self.rank}: leaving: {msg['why']}", file=sys.stderr)
+                self.capture.flush(timeout=1.0)
+                os._exit(1)
+        self._stop_if_latched()
+
+    def _stop_if_latched(self) -> None:
+        """Raise KeyboardInterrupt in the user code of a cell whose Stop is latched."""
+        if (
+            self.stop_cell is not None
+            and self.busy_cell == self.stop_cell
+            and self.in_user_code
+            and time.monotonic() - self.stopped_at >= RESTOP_S
+        ):
+            self.stopped_at = time.monotonic()
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
     # -- sending ---------------------------------------------------------------------------
     def reply(self, msg: RankToKernel) -> None:
@@ -164,6 +193,8 @@ class Rank:
             process_group.reuse_store_in_init(dist, self)
         self.device = process_group.pick_device(cfg, torch)
         self.ns = self._namespace(torch, dist)
+        if cfg.threads is not None:
+            torch.set_num_threads(cfg.threads)
         self.reply(
             Hello(
                 type="hello",
@@ -173,6 +204,7 @@ class Rank:
                 device=str(self.device),
                 time=time.time(),
                 num_cpus=os.cpu_count(),
+                threads=torch.get_num_threads(),
             )
         )
 
@@ -220,6 +252,10 @@ class Rank:
             if msg["type"] == "exit":
                 self.capture.flush(timeout=1.0)
                 os._exit(0)
+            if msg["type"] in REQUESTS:
+                if msg["id"] <= self.taken:  # sent again (a Stop cut the send short): once only
+                    continue
+                self.taken = msg["id"]
             try:
                 handlers[msg["type"]](msg)
             except KeyboardInterrupt:
@@ -227,19 +263,17 @@ class Rank:
 
     def _on_sigint(self, signum: int, frame: Any) -> None:
         if self.in_user_code:
+            self.stopped_at = time.monotonic()
             raise KeyboardInterrupt
 
     def _heartbeat(self) -> None:
         parent = os.getppid()
-        while True:
-            busy = self.busy_cell is not None
-            time.sleep(HEARTBEAT_BUSY if busy else HEARTBEAT_IDLE)
+        while True:  # the first heartbeat goes at once: the kernel learns the side route
             if os.getppid() != parent:  # our parent died: the lab is gone
                 os._exit(1)
-            if self.cfg.attached:
-                with self.side_lock:
-                    self._take_interrupts()
-            status = Status(type="status", busy=self.busy_cell, time=time.time())
+            with self.side_lock:
+                self._take_side()
+            status = Status(type="status", busy=self.busy_cell, time=time.time(), taken=self.taken)
             if self.busy_cell is not None:
                 status.update(
                     line=self._running_line(), op=trace.current(), progress=trace.progress()
@@ -248,6 +282,15 @@ class Rank:
                 self.send_side(status)
             except zmq.ZMQError:
                 return
+            busy = self.busy_cell is not None
+            until = time.monotonic() + (HEARTBEAT_BUSY if busy else HEARTBEAT_IDLE)
+            while time.monotonic() < until:
+                time.sleep(SIDE_POLL_S)
+                if self.busy_cell is not None:  # read Stop often while a cell runs
+                    if not busy:
+                        break  # a cell began: say so now
+                    with self.side_lock:
+                        self._take_side()
 
     def _running_line(self) -> int | None:
         frame = sys._current_frames().get(threading.main_thread().ident)
@@ -265,8 +308,12 @@ class Rank:
         self.busy_cell = cell
         value = error = None
         t0 = time.perf_counter()
+        with self.side_lock:
+            self._take_side()  # a Stop sent before this cell arrived
         try:
             self.in_user_code = True
+            if self.stop_cell == cell:
+                raise KeyboardInterrupt("Stop was pressed before this rank started the cell")
             if msg.get("fn") is not None:
                 value = call_function(msg["fn"], self.ns)
             else:

@@ -37,6 +37,7 @@ class RankConfig:
     pg_timeout: float  # seconds, for the store and the process group
     master_port: int | None = None  # torchrun's store; None: rank 0 binds one (a forked lab)
     attached: bool = False  # started by torchrun (not forked): no parent in the lab
+    threads: int | None = None  # torch.set_num_threads in the rank; None: leave torch's default
     capture_fds: tuple[int, int] | None = None  # read ends of the stdout/stderr pipes that the
     # fork server made before forking (it keeps copies to drain after a crash); None: the rank
     # makes its own pipes
@@ -80,6 +81,8 @@ class RankConfig:
             raise ValueError(f"pg_timeout must be a number of seconds > 0, got {self.pg_timeout!r}")
         if self.master_port is not None:
             _int_in("master_port", self.master_port, 65536, low=1)
+        if self.threads is not None:
+            _int_at_least("threads", self.threads, 1)
         if not isinstance(self.attached, bool):
             raise ValueError(f"attached must be True or False, got {self.attached!r}")
         if self.capture_fds is not None and (

@@ -153,10 +153,18 @@ class Refused(TypedDict):
 
 
 class Interrupt(TypedDict):
-    """Stop pressed, for a rank labkit cannot signal (an attached one)."""
+    """Stop pressed for `cell`. The rank latches it: the cell stops when its user code runs,
+    or is not started at all. The kernel re-sends it while it waits (it is idempotent)."""
 
     type: Literal["interrupt"]
     cell: int
+
+
+class Leave(TypedDict):
+    """The kernel gave up on a cell of ranks it cannot kill (attached): exit now."""
+
+    type: Literal["leave"]
+    why: str
 
 
 # -- rank -> kernel, ctrl socket ----------------------------------------------------------------
@@ -182,6 +190,7 @@ class Hello(FromRank):
     device: str  # "cpu", "cuda:0", ...
     time: float
     num_cpus: int | None
+    threads: int  # torch's intra-op threads in this rank (torch.get_num_threads())
 
 
 class Ready(FromRank):
@@ -240,6 +249,7 @@ class Status(_Status, total=False):
     line: int | None  # the line of the cell running (busy only)
     op: dict[str, Any] | None  # the comm op the rank is inside: op, seq, group, peer, since, ...
     progress: dict[str, Any]  # collectives per group (seq), p2p messages per peer (sent/received)
+    taken: int  # the id of the last request (exec, pull, push, trace) the rank took
     received: float  # set by the kernel on arrival (its monotonic clock); never sent
 
 
@@ -292,7 +302,9 @@ class Exited(TypedDict):
 
 # -- by channel and direction -------------------------------------------------------------------
 
-KernelToRank = Init | Exec | Pull | Push | Trace | Ping | Exit | Welcome | Refused | Interrupt
+KernelToRank = (
+    Init | Exec | Pull | Push | Trace | Ping | Exit | Welcome | Refused | Interrupt | Leave
+)
 RankToKernel = Attach | Hello | Ready | Done | Pong | Fatal | Stream | Status
 KernelToServer = SpawnCommand | SignalCommand | ExitCommand
 ServerToKernel = ServerHello | Spawned | Exited

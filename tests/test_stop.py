@@ -1,0 +1,143 @@
+"""Stop is never lost, and a rank's route cannot be taken over (2 CPU ranks, gloo).
+
+Stop is pressed (SIGINT to the kernel's main thread) at the moments a timer cannot hit
+reliably: before the ranks received the cell (the latch is sent first), between two cells, and
+while a rank is inside a C++ op. Each case also runs with the CPU saturated by two busy loops,
+started and ended by pid, as on a shared workshop server.
+"""
+
+from __future__ import annotations
+
+import _thread
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import zmq
+
+import labkit
+from labkit import LabError, RemoteError
+from labkit.kernel.policy import threads_per_rank
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module", params=["idle", "loaded"])
+def lab(request):
+    loops = []
+    if request.param == "loaded":
+        code = "while True: pass"
+        loops = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+    lab = labkit.Lab(2, device="cpu")
+    try:
+        yield lab
+    finally:
+        lab.stop()
+        for p in loops:  # only the loops this fixture started
+            p.kill()
+            p.wait()
+
+
+def press_stop_after(seconds: float) -> threading.Timer:
+    timer = threading.Timer(seconds, _thread.interrupt_main)
+    timer.start()
+    return timer
+
+
+def test_a_stop_sent_before_the_cell_arrives_stops_it_unstarted(lab):
+    lab.run("kept = rank + 1")
+    cell = lab.last_cell + 1
+    lab.channel.send_interrupt([0, 1], cell)  # Stop that reached the ranks before the cell
+    assert lab.channel.flush_side(timeout=5)
+    t0 = time.monotonic()
+    res = lab.run("import time\nwhile True:\n    time.sleep(0.01)")
+    assert time.monotonic() - t0 < 10
+    assert {r.error["type"] for r in res.values()} == {"KeyboardInterrupt"}
+    assert lab.pull("kept") == {0: 1, 1: 2}  # no restart: variables kept
+
+
+def test_a_stop_for_a_finished_cell_does_not_touch_the_next_one(lab):
+    lab.run("x = 1")
+    lab.channel.send_interrupt([0, 1], lab.last_cell)  # too late for that cell
+    assert lab.channel.flush_side(timeout=5)
+    time.sleep(0.5)  # the ranks' heartbeat threads read it
+    res = lab.run("import time\ntime.sleep(1.0)\nx + rank")
+    assert res.values_by_rank == {0: 1, 1: 2}
+
+
+def test_stop_pressed_as_the_cell_is_sent_stops_it(lab):
+    lab.run("kept = 5")
+    for delay in (0.0, 0.05, 0.3):  # before, while and just after the request goes out
+        t0 = time.monotonic()
+        res = timer = None
+        try:
+            timer = press_stop_after(delay)
+            res = lab.run("while True:\n    pass")
+        except KeyboardInterrupt:  # pressed before the call reached the ranks: nothing ran
+            pass
+        finally:
+            if timer is not None:
+                timer.cancel()
+        took = time.monotonic() - t0
+        assert took < 10, f"Stop after {delay} s took {took:.1f} s"
+        if res is not None:
+            assert {r.error["type"] for r in res.values()} == {"KeyboardInterrupt"}
+        assert lab.pull("kept") == {0: 5, 1: 5}
+
+
+def test_stop_says_which_rank_is_inside_a_cpp_op(lab):
+    code = (
+        "import time\n"
+        "t = torch.zeros(1)\n"
+        "if rank == 0:\n"
+        "    dist.recv(t, src=1)\n"  # C++: Stop cannot reach it
+        "else:\n"
+        "    time.sleep(600)\n"
+    )
+    timer = press_stop_after(1.5)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises((LabError, RemoteError)) as info:
+            lab.run(code)
+    finally:
+        timer.cancel()
+    assert time.monotonic() - t0 < 20
+    text = str(info.value)
+    assert "Stop was pressed" in text and "rank 0 is inside recv" in text, text
+    assert "variables on the ranks were lost" in text
+    assert lab.run("rank").values_by_rank == {0: 0, 1: 1}
+
+
+def test_a_process_claiming_a_ranks_name_gets_nothing(lab):
+    ctx = zmq.Context.instance()
+    impostor = ctx.socket(zmq.DEALER)
+    impostor.setsockopt(zmq.IDENTITY, b"r1")  # the name rank 1 had when routes were names
+    impostor.setsockopt(zmq.LINGER, 0)
+    impostor.connect(lab.channel.endpoint("ctrl"))
+    try:
+        time.sleep(0.3)
+        assert lab.run("rank * 3").values_by_rank == {0: 0, 1: 3}
+        assert not impostor.poll(500), "the impostor received a request meant for rank 1"
+    finally:
+        impostor.close()
+
+
+def test_each_rank_gets_its_share_of_the_cores(lab):
+    import os
+
+    threads = lab.run("torch.get_num_threads()").values_by_rank
+    expected = threads_per_rank(os.cpu_count(), 2) or threads[0]
+    assert threads == {0: expected, 1: expected}
+    assert [r["threads"] for r in lab.status_report()["ranks"]] == [expected, expected]
+
+
+def test_threads_rule_and_bad_input(monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert threads_per_rank(2, 4) == 1 and threads_per_rank(16, 4) == 4
+    assert threads_per_rank(16, 4, asked=2) == 2
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert threads_per_rank(16, 4) is None  # the user chose: torch reads OMP_NUM_THREADS
+    with pytest.raises(ValueError, match="threads must be an int >= 1 or None, got 0"):
+        labkit.Lab(2, threads=0, start=False)
