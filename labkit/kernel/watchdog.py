@@ -1,28 +1,51 @@
-"""Deciding that a running cell can never finish (kernel side, pure functions).
+"""Deciding that a running cell can never finish (kernel side, pure: no clock, no sockets).
 
-The kernel knows which ranks run the cell, which have finished, and, from each rank's
-heartbeat, which `torch.distributed` op a rank is blocked in and for how long. A cell is stuck
-for certain when:
+The kernel knows which ranks run the cell, which have finished (and when their reply came), and,
+from each rank's heartbeat, which `torch.distributed` op a rank is blocked in, since when, and
+when that heartbeat arrived. A heartbeat is a snapshot: it is up to a few tenths of a second old
+on an idle machine and older on a loaded one, so a rank it shows "blocked" may have left the op
+already. The watchdog therefore calls a cell stuck only on certain evidence:
 
-- a rank waits in an op whose group (or p2p peer) contains a rank that is not running the cell:
-  it finished, raised, died, or was never asked (a rank-subset cell calling a collective);
-- every member of a group is blocked in that group's op with the same sequence number, but
-  they disagree on op, shape or dtype (a mismatched collective), or on the sequence number
-  itself (collectives called in a different order);
-- two ranks wait on each other in point-to-point ops (both `recv` first, or both `send` first).
+- a rank waits in an op (for longer than `GRACE`) whose group or p2p peer holds a rank that is
+  not running the cell (finished, raised, died, or never asked: a rank-subset cell calling a
+  collective) and that, by its final progress counters, never called its side of that op;
+- a rank waits in an op whose absent peer *did* its side, and a heartbeat that arrived at least
+  `LONG_GRACE` after that peer's reply (kernel time: from the peer's finish, not from when the
+  waiting rank entered) still shows the rank in that same op (a gloo mismatch can complete on
+  the others and leave one rank waiting);
+- every member of a group is blocked in that group's op but they disagree on op, shape, dtype or
+  sequence number (a mismatched collective, or collectives called in a different order), or two
+  ranks wait on each other in point-to-point ops (both `recv` first, or both `send` first).
+  These rest on ranks that are all still running, so a `Watchdog` confirms them: the same
+  verdict, seen continuously for `CONFIRM` seconds, during which every rank involved sent a
+  new heartbeat.
 
-Only ops blocked for longer than `grace` seconds count, so a slow but healthy op is left alone.
+A rank still running user code (not inside an op) is never a reason: a straggler that computes
+for a minute before its all_reduce is healthy, and so are the peers waiting for it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from labkit.wire.records import P2P_OPS
 
-GRACE = 1.0
-LONG_GRACE = 5.0  # when every absent peer already made its side of the op
+GRACE = 1.0  # seconds an op must be blocked before it counts at all
+LONG_GRACE = 5.0  # after a peer that did its side of the op finished (kernel time)
+CONFIRM = 1.0  # seconds a verdict about running ranks must hold, with fresh heartbeats
 UNDIAGNOSED = {"batch_isend_irecv"}  # a batch mixes peers and directions: Stop or timeout only
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """Why a cell is stuck. `confirm`: the running ranks it rests on (empty: certain now)."""
+
+    text: str
+    confirm: frozenset[int] = frozenset()
+
+    def __str__(self) -> str:
+        return self.text
 
 
 def _p2p_peer(op: dict[str, Any]) -> int | None:
@@ -57,23 +80,39 @@ def _did_its_part(r: int, op: dict[str, Any], other: dict[str, Any] | None) -> b
     return other.get("seq", {}).get(tuple(op["group"]), 0) >= op["seq"]
 
 
+def _absent_reason(
+    r: int, op: dict[str, Any], a: int, progress: dict[int, Any], finished: dict[int, float]
+) -> bool:
+    """Whether absent rank `a` is certain evidence that r's op can never complete."""
+    if not _did_its_part(r, op, progress.get(a)):
+        return True  # a never called its side, and it will not now: it is not running
+    # a did its side: the op may complete any moment, however late r's heartbeat says so; only
+    # a heartbeat that left r LONG_GRACE after a finished, still inside the op, is evidence
+    seen, gone = op.get("received"), finished.get(a)
+    return seen is not None and gone is not None and seen - gone >= LONG_GRACE
+
+
 def diagnose(
     blocked: dict[int, dict[str, Any]],
     running: set[int],
     why_not: dict[int, str],
     grace: float = GRACE,
     progress: dict[int, dict[str, Any]] | None = None,
-) -> str | None:
-    """Why the cell is stuck, or None. `blocked[r]` is rank r's current op with `blocked_s`.
+    finished: dict[int, float] | None = None,
+) -> Verdict | None:
+    """Why the cell is stuck, or None. `blocked[r]` is rank r's current op from its last heartbeat.
 
+    `blocked[r]` holds the op (op, seq, group, peer, shape, dtype, line), `blocked_s` (how long
+    r has been inside it, by r's clock) and `received` (when that heartbeat reached the kernel).
     `running` holds the ranks still executing the cell; `why_not[r]` says why a rank is not
-    ("finished", "raised ZeroDivisionError", "not in this cell", "died"). `progress[r]`, where
-    known, counts the collectives rank r called per group and its p2p messages per peer
-    (`labkit.rank.trace.progress`): a peer that finished after doing its side of an op is no reason
-    to call that op stuck before `LONG_GRACE` (it completes once the bytes arrive, however
-    loaded the machine).
+    ("finished", "raised ZeroDivisionError", "is not running this cell", "died"). `progress[r]`
+    counts the collectives rank r called per group and its p2p messages per peer
+    (`labkit.rank.trace.progress`), final for a finished rank; `finished[r]` is when rank r's
+    reply reached the kernel. Times are the kernel's `time.monotonic()`.
+
+    A verdict with a non-empty `confirm` rests on running ranks only: pass it to `Watchdog`.
     """
-    progress = progress or {}
+    progress, finished = progress or {}, finished or {}
     long = {
         r: op
         for r, op in blocked.items()
@@ -82,20 +121,17 @@ def diagnose(
     for r, op in sorted(long.items()):
         peer = _p2p_peer(op)
         needed = set(op["group"]) if peer is None else {peer}
-        absent = sorted(needed - running)
-        if op["blocked_s"] < LONG_GRACE:
-            # a peer that made its side of the op may just be ahead of a starved rank; but if
-            # the op still has not completed after LONG_GRACE, it never will (a gloo mismatch
-            # can complete on the others and leave this rank waiting)
-            absent = [a for a in absent if not _did_its_part(r, op, progress.get(a))]
+        absent = [
+            a for a in sorted(needed - running) if _absent_reason(r, op, a, progress, finished)
+        ]
         if absent:
             reasons = "; ".join(f"rank {a} {why_not.get(a, 'is not running')}" for a in absent)
-            return f"{_op_text(r, op)}, which can never complete: {reasons}."
+            return Verdict(f"{_op_text(r, op)}, which can never complete: {reasons}.")
     by_group: dict[tuple[int, ...], dict[int, dict[str, Any]]] = {}
     for r, op in long.items():
         if _p2p_peer(op) is None:
             by_group.setdefault(tuple(op["group"]), {})[r] = op
-    for group, ops in by_group.items():
+    for group, ops in sorted(by_group.items()):
         if set(ops) != set(group):
             continue
         keys = {
@@ -106,8 +142,8 @@ def diagnose(
             what = "order" if len({op["seq"] for op in ops.values()}) > 1 else "op, shape or dtype"
             lines = "\n  ".join(_op_text(r, op) for r, op in sorted(ops.items()))
             head = f"mismatched collectives on group [{_fmt_ranks(group)}] ({what} differs)"
-            return f"{head}:\n  {lines}"
-    for r, op in long.items():
+            return Verdict(f"{head}:\n  {lines}", frozenset(group))
+    for r, op in sorted(long.items()):
         peer = _p2p_peer(op)
         other = long.get(peer) if peer is not None else None
         if other is not None and _p2p_peer(other) == r:
@@ -116,8 +152,41 @@ def diagnose(
                 peer, other, progress.get(r)
             )
             if a == b and not either_sent:
-                return (
+                return Verdict(
                     f"ranks {r} and {peer} both wait to {a} to each other first:\n  "
-                    f"{_op_text(r, op)}\n  {_op_text(peer, other)}"
+                    f"{_op_text(r, op)}\n  {_op_text(peer, other)}",
+                    frozenset({r, peer}),
                 )
     return None
+
+
+class Watchdog:
+    """Turns `diagnose` verdicts into a decision, one cell at a time (kernel side, no clock).
+
+    A certain verdict stands at once. One that rests on running ranks stands once it has been
+    seen, unchanged, for `confirm_s` seconds and every rank in `Verdict.confirm` has sent a
+    heartbeat since it was first seen: a stale snapshot (a rank that already left the op) then
+    shows itself as a changed verdict, which starts the wait again.
+    """
+
+    def __init__(self, confirm_s: float = CONFIRM):
+        self.confirm_s = confirm_s
+        self._held: tuple[Verdict, float, dict[int, float | None]] | None = None
+
+    def check(self, verdict: Verdict | None, now: float, beats: dict[int, float]) -> str | None:
+        """The reason to stop the cell, or None. `beats[r]`: when r's last heartbeat arrived."""
+        if verdict is None:
+            self._held = None
+            return None
+        if not verdict.confirm:
+            return verdict.text
+        if self._held is None or self._held[0] != verdict:
+            self._held = (verdict, now, {r: beats.get(r) for r in verdict.confirm})
+            return None
+        _, since, seen = self._held
+        fresh = all(_newer(beats.get(r), seen[r]) for r in verdict.confirm)
+        return verdict.text if fresh and now - since >= self.confirm_s else None
+
+
+def _newer(beat: float | None, before: float | None) -> bool:
+    return beat is not None and (before is None or beat > before)
