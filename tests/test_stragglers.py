@@ -59,3 +59,10 @@ def test_straggler_before_broadcast(lab, straggler):
     # the source is late (everyone waits for it), or one receiver is late
     values = run_straggler(lab, [straggler], 6, "dist.broadcast(t, src=0)\n")
     assert values == {r: [1.0, 1.0] for r in range(4)}
+
+
+def test_straggler_before_gather_while_the_others_finish(lab):
+    # ranks 1 and 2 send their part to the root and finish; the root waits for rank 3
+    body = "dist.gather(t, [torch.zeros(2) for _ in range(4)] if rank == 0 else None, dst=0)\n"
+    values = run_straggler(lab, [3], 12, body)  # > 2 LONG_GRACE after ranks 1, 2 finish
+    assert values == {r: [r + 1.0] * 2 for r in range(4)}

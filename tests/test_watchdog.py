@@ -154,6 +154,39 @@ def test_waiting_long_for_a_peer_that_just_did_its_part_is_healthy():
     assert text is not None and "rank 0 finished" in text
 
 
+def test_a_root_waiting_for_a_straggler_is_healthy_though_others_finished():
+    # gather to rank 0: ranks 1 and 2 sent their part and finished long ago, rank 3 computes
+    group = (0, 1, 2, 3)
+    blocked = {0: _at(_op("gather", 1, group=group, blocked_s=20.0), received=20.0)}
+    progress = {r: {"seq": {group: 1}} for r in (0, 1, 2)}
+    progress[3] = {"seq": {}}
+    why_not = {1: "finished", 2: "finished"}
+    finished = {1: 0.1, 2: 0.1}
+    args = (blocked, {0, 3}, why_not)
+    assert diagnose(*args, progress=progress, finished=finished) is None
+    # once rank 3 has called the gather too (its heartbeat's progress says so), the root's
+    # last heartbeat may predate that: the long grace counts again from the moment it is seen
+    progress[3] = {"seq": {group: 1}}
+    verdict = watchdog.diagnose(*args, progress=progress, finished=finished)
+    assert verdict is not None and "rank 1 finished; rank 2 finished" in verdict.text
+    assert verdict.confirm == {0, 3} and verdict.hold == LONG_GRACE
+    dog = Watchdog()
+    assert dog.check(verdict, 20.1, {0: 20.0, 3: 20.1}) is None
+    assert dog.check(verdict, 24.0, {0: 24.0, 3: 24.0}) is None
+    assert dog.check(verdict, 25.2, {0: 25.1, 3: 25.2}) == verdict.text
+
+
+def test_the_long_grace_counts_from_the_last_absent_peer_to_finish():
+    group = (0, 1, 2)
+    blocked = {0: _at(_op("all_reduce", 1, group=group, blocked_s=9.0), received=9.0)}
+    done = {r: {"seq": {group: 1}} for r in (1, 2)}
+    why_not = {1: "finished", 2: "finished"}
+    assert diagnose(blocked, {0}, why_not, progress=done, finished={1: 1.0, 2: 8.0}) is None
+    assert diagnose(blocked, {0}, why_not, progress=done, finished={1: 1.0}) is None
+    text = diagnose(blocked, {0}, why_not, progress=done, finished={1: 1.0, 2: 4.0})
+    assert text is not None and "rank 1 finished; rank 2 finished" in text
+
+
 def test_finished_peer_that_never_called_the_op_is_certain_at_once():
     blocked = {1: _at(_op("all_reduce", 1, blocked_s=1.5), received=3.0)}
     done = {0: {"seq": {}}}  # rank 0 finished without any collective on the group
@@ -198,8 +231,11 @@ def test_a_mismatch_needs_confirming_by_fresh_heartbeats():
     assert mismatch is not None and mismatch.confirm == {0, 1}
     assert dog.check(mismatch, 10.0, {0: 9.9, 1: 9.9}) is None  # first seen
     # held long enough, but rank 1 sent nothing new: its snapshot may be stale
-    assert dog.check(mismatch, 10.0 + CONFIRM, {0: 10.5, 1: 9.9}) is None
-    assert dog.check(mismatch, 10.0 + CONFIRM, {0: 10.5, 1: 10.6}) == mismatch.text
+    assert dog.check(mismatch, 10.0 + CONFIRM, {0: 10.0 + CONFIRM, 1: 9.9}) is None
+    # heartbeats since, but not CONFIRM after it was first seen: they may predate the change
+    assert dog.check(mismatch, 10.0 + CONFIRM, {0: 10.5, 1: 10.6}) is None
+    both = {0: 10.0 + CONFIRM, 1: 10.1 + CONFIRM}
+    assert dog.check(mismatch, 10.1 + CONFIRM, both) == mismatch.text
     # fresh heartbeats, but not yet held for CONFIRM seconds
     dog = Watchdog()
     assert dog.check(mismatch, 10.0, {0: 9.9, 1: 9.9}) is None
@@ -224,8 +260,9 @@ def test_mutual_recv_is_confirmed_and_a_changed_verdict_restarts_the_wait():
     other = Verdict("something else", frozenset({0, 1}))
     assert dog.check(both, 1.0, {0: 0.9, 1: 0.9}) is None
     assert dog.check(other, 1.5, {0: 1.4, 1: 1.4}) is None
-    assert dog.check(both, 1.0 + CONFIRM, {0: 1.9, 1: 1.9}) is None  # seen again only now
-    assert dog.check(both, 2.0 + CONFIRM, {0: 2.9, 1: 2.9}) == both.text
+    assert dog.check(both, 2.0, {0: 1.9, 1: 1.9}) is None  # seen again only now
+    assert dog.check(both, 1.0 + CONFIRM, {0: 1.0 + CONFIRM, 1: 1.0 + CONFIRM}) is None
+    assert dog.check(both, 2.0 + CONFIRM, {0: 2.0 + CONFIRM, 1: 2.0 + CONFIRM}) == both.text
 
 
 def test_a_certain_verdict_stands_at_once():

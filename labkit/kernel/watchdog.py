@@ -9,16 +9,18 @@ already. The watchdog therefore calls a cell stuck only on certain evidence:
 - a rank waits in an op (for longer than `GRACE`) whose group or p2p peer holds a rank that is
   not running the cell (finished, raised, died, or never asked: a rank-subset cell calling a
   collective) and that, by its final progress counters, never called its side of that op;
-- a rank waits in an op whose absent peer *did* its side, and a heartbeat that arrived at least
-  `LONG_GRACE` after that peer's reply (kernel time: from the peer's finish, not from when the
-  waiting rank entered) still shows the rank in that same op (a gloo mismatch can complete on
-  the others and leave one rank waiting);
+- a rank waits in an op whose absent peers all *did* their side, and a heartbeat that arrived
+  at least `LONG_GRACE` after the last of their replies (kernel time: from the peers' finish,
+  not from when the waiting rank entered) still shows the rank in that same op (a gloo mismatch
+  can complete on the others and leave one rank waiting). Every running member of the op must
+  have called it too (a root waits for a straggler while the others finish), and since the
+  kernel learns that only from heartbeats, the `LONG_GRACE` then counts again, as below;
 - every member of a group is blocked in that group's op but they disagree on op, shape, dtype or
   sequence number (a mismatched collective, or collectives called in a different order), or two
   ranks wait on each other in point-to-point ops (both `recv` first, or both `send` first).
   These rest on ranks that are all still running, so a `Watchdog` confirms them: the same
-  verdict, seen continuously for `CONFIRM` seconds, during which every rank involved sent a
-  new heartbeat.
+  verdict, seen without a break, still shown by a heartbeat from every rank involved that
+  arrived `CONFIRM` seconds (`Verdict.hold`) or more after the kernel first saw it.
 
 A rank still running user code (not inside an op) is never a reason: a straggler that computes
 for a minute before its all_reduce is healthy, and so are the peers waiting for it.
@@ -39,10 +41,12 @@ UNDIAGNOSED = {"batch_isend_irecv"}  # a batch mixes peers and directions: Stop 
 
 @dataclass(frozen=True)
 class Verdict:
-    """Why a cell is stuck. `confirm`: the running ranks it rests on (empty: certain now)."""
+    """Why a cell is stuck. `confirm`: the running ranks it rests on (empty: certain now), whose
+    heartbeats must still show it `hold` seconds after the kernel first saw it."""
 
     text: str
     confirm: frozenset[int] = frozenset()
+    hold: float = CONFIRM
 
     def __str__(self) -> str:
         return self.text
@@ -80,16 +84,40 @@ def _did_its_part(r: int, op: dict[str, Any], other: dict[str, Any] | None) -> b
     return other.get("seq", {}).get(tuple(op["group"]), 0) >= op["seq"]
 
 
-def _absent_reason(
-    r: int, op: dict[str, Any], a: int, progress: dict[int, Any], finished: dict[int, float]
-) -> bool:
-    """Whether absent rank `a` is certain evidence that r's op can never complete."""
-    if not _did_its_part(r, op, progress.get(a)):
-        return True  # a never called its side, and it will not now: it is not running
-    # a did its side: the op may complete any moment, however late r's heartbeat says so; only
-    # a heartbeat that left r LONG_GRACE after a finished, still inside the op, is evidence
-    seen, gone = op.get("received"), finished.get(a)
-    return seen is not None and gone is not None and seen - gone >= LONG_GRACE
+def _absent_verdict(
+    r: int,
+    op: dict[str, Any],
+    absent: list[int],
+    running: set[int],
+    why_not: dict[int, str],
+    progress: dict[int, Any],
+    finished: dict[int, float],
+) -> Verdict | None:
+    """Whether ranks not running the cell make r's op certain never to complete."""
+    missing = [a for a in absent if not _did_its_part(r, op, progress.get(a))]
+    if missing:  # they never called their side, and they will not now: they are not running
+        return Verdict(_never(r, op, missing, why_not))
+    # every absent rank did its side: the op may complete any moment, however late r's
+    # heartbeat says so. Evidence is a heartbeat that left r LONG_GRACE after the last of them
+    # finished, still inside the op; and a member still computing (the root of a gather waits
+    # for a straggler) explains any wait, so every running member must have called it too
+    seen = op.get("received")
+    if seen is None or any(a not in finished for a in absent):
+        return None
+    if seen - max(finished[a] for a in absent) < LONG_GRACE:
+        return None
+    others = (set(op["group"]) if _p2p_peer(op) is None else {op["peer"]}) & running - {r}
+    if not all(_did_its_part(r, op, progress.get(m)) for m in others):
+        return None
+    # when the others joined, the kernel knows only from their heartbeats: it counts the
+    # LONG_GRACE again from the moment it saw them all in
+    confirm = frozenset(others | {r}) if others else frozenset()
+    return Verdict(_never(r, op, absent, why_not), confirm, LONG_GRACE)
+
+
+def _never(r: int, op: dict[str, Any], absent: list[int], why_not: dict[int, str]) -> str:
+    reasons = "; ".join(f"rank {a} {why_not.get(a, 'is not running')}" for a in absent)
+    return f"{_op_text(r, op)}, which can never complete: {reasons}."
 
 
 def diagnose(
@@ -120,13 +148,10 @@ def diagnose(
     }
     for r, op in sorted(long.items()):
         peer = _p2p_peer(op)
-        needed = set(op["group"]) if peer is None else {peer}
-        absent = [
-            a for a in sorted(needed - running) if _absent_reason(r, op, a, progress, finished)
-        ]
-        if absent:
-            reasons = "; ".join(f"rank {a} {why_not.get(a, 'is not running')}" for a in absent)
-            return Verdict(f"{_op_text(r, op)}, which can never complete: {reasons}.")
+        absent = sorted((set(op["group"]) if peer is None else {peer}) - running)
+        verdict = absent and _absent_verdict(r, op, absent, running, why_not, progress, finished)
+        if verdict:
+            return verdict
     by_group: dict[tuple[int, ...], dict[int, dict[str, Any]]] = {}
     for r, op in long.items():
         if _p2p_peer(op) is None:
@@ -142,7 +167,7 @@ def diagnose(
             what = "order" if len({op["seq"] for op in ops.values()}) > 1 else "op, shape or dtype"
             lines = "\n  ".join(_op_text(r, op) for r, op in sorted(ops.items()))
             head = f"mismatched collectives on group [{_fmt_ranks(group)}] ({what} differs)"
-            return Verdict(f"{head}:\n  {lines}", frozenset(group))
+            return Verdict(f"{head}:\n  {lines}", frozenset(group), CONFIRM)
     for r, op in sorted(long.items()):
         peer = _p2p_peer(op)
         other = long.get(peer) if peer is not None else None
@@ -156,6 +181,7 @@ def diagnose(
                     f"ranks {r} and {peer} both wait to {a} to each other first:\n  "
                     f"{_op_text(r, op)}\n  {_op_text(peer, other)}",
                     frozenset({r, peer}),
+                    CONFIRM,
                 )
     return None
 
@@ -164,29 +190,23 @@ class Watchdog:
     """Turns `diagnose` verdicts into a decision, one cell at a time (kernel side, no clock).
 
     A certain verdict stands at once. One that rests on running ranks stands once it has been
-    seen, unchanged, for `confirm_s` seconds and every rank in `Verdict.confirm` has sent a
-    heartbeat since it was first seen: a stale snapshot (a rank that already left the op) then
+    seen without a break and every rank in `Verdict.confirm` has sent a heartbeat that arrived
+    `Verdict.hold` seconds or more after the kernel first saw it, still showing it (a verdict is
+    recomputed from the latest heartbeats): a stale snapshot, a rank that already left the op,
     shows itself as a changed verdict, which starts the wait again.
     """
 
-    def __init__(self, confirm_s: float = CONFIRM):
-        self.confirm_s = confirm_s
-        self._held: tuple[Verdict, float, dict[int, float | None]] | None = None
+    def __init__(self) -> None:
+        self._held: tuple[Verdict, float] | None = None
 
     def check(self, verdict: Verdict | None, now: float, beats: dict[int, float]) -> str | None:
         """The reason to stop the cell, or None. `beats[r]`: when r's last heartbeat arrived."""
-        if verdict is None:
+        if verdict is None or not verdict.confirm:
             self._held = None
-            return None
-        if not verdict.confirm:
-            return verdict.text
+            return verdict.text if verdict else None
         if self._held is None or self._held[0] != verdict:
-            self._held = (verdict, now, {r: beats.get(r) for r in verdict.confirm})
+            self._held = (verdict, now)
             return None
-        _, since, seen = self._held
-        fresh = all(_newer(beats.get(r), seen[r]) for r in verdict.confirm)
-        return verdict.text if fresh and now - since >= self.confirm_s else None
-
-
-def _newer(beat: float | None, before: float | None) -> bool:
-    return beat is not None and (before is None or beat > before)
+        since = self._held[1] + verdict.hold
+        fresh = all(beats.get(r, since - 1) >= since for r in verdict.confirm)
+        return verdict.text if fresh else None
