@@ -25,7 +25,7 @@ from labkit.kernel.channel import Channel, Stuck
 from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.live import LiveStatus
 from labkit.kernel.results import CellState, LabkitWarning, RankResult, Results
-from labkit.kernel.watchdog import diagnose, op_text
+from labkit.kernel.watchdog import Watchdog, diagnose, op_text
 from labkit.wire.messages import Exec, KernelToRank
 
 STOP_GRACE = 3.0  # seconds ranks get to stop after Stop before the cell counts as stuck
@@ -99,6 +99,7 @@ class CellRun:
         self.targets = targets
         self.timeout = timeout
         self.live = LiveStatus(targets, lab=live_owner)
+        self.watchdog = Watchdog()
         self.replies: dict[int, dict[str, Any]] = {}
         self.started = 0.0
         self._resent = 0.0
@@ -159,20 +160,24 @@ class CellRun:
         self._watch(pending)
 
     def _watch(self, pending: set[int]) -> None:
-        states = self.states(pending)
-        self.live.update(states, time.monotonic() - self.started)
+        now = time.monotonic()
+        status = {r: self.channel.status.get(r, {}) for r in pending}  # one snapshot throughout
+        states = self.states(pending, status)
+        self.live.update(states, now - self.started)
         blocked = {
-            s.rank: dict(s.op, blocked_s=s.blocked_s)
+            s.rank: dict(s.op, blocked_s=s.blocked_s, received=status[s.rank].get("received"))
             for s in states
             if s.op is not None and s.state == "running"
         }
         why_not = {s.rank: s.state for s in states if s.state != "running"}
         progress = {r: m.get("progress") for r, m in self.replies.items()}
-        for r in pending:
-            st = self.channel.status.get(r, {})
+        for r, st in status.items():
             if st.get("busy") == self.cell:
                 progress[r] = st.get("progress")
-        reason = diagnose(blocked, set(pending), why_not, progress=progress)
+        finished = {r: m["received"] for r, m in self.replies.items() if "received" in m}
+        verdict = diagnose(blocked, set(pending), why_not, progress=progress, finished=finished)
+        beats = {r: st["received"] for r, st in status.items() if "received" in st}
+        reason = self.watchdog.check(verdict, now, beats)
         if reason:
             raise Stuck(reason)
         self.launcher.watch(pending, self.started)
@@ -223,12 +228,18 @@ class CellRun:
                 parts.append(f"rank {s.rank} did not stop")
         return "; ".join(parts) or "the ranks did not answer"
 
-    def states(self, pending: set[int]) -> list[CellState]:
-        """What each rank of the lab is doing for this cell (running, finished, died...)."""
+    def states(
+        self, pending: set[int], status: dict[int, dict[str, Any]] | None = None
+    ) -> list[CellState]:
+        """What each rank of the lab is doing for this cell (running, finished, died...).
+
+        `status`: the heartbeats to read (default: the channel's latest).
+        """
+        status = self.channel.status if status is None else status
         states = []
         for r in range(self.world_size):
             if r in pending:
-                st = self.channel.status.get(r, {})
+                st = status.get(r, {})
                 op = st.get("op") if st.get("busy") == self.cell else None
                 blocked = st["time"] - op["since"] if op else 0.0
                 states.append(CellState(r, "running", st.get("line"), op, blocked))

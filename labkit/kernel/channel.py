@@ -232,6 +232,7 @@ class Channel:
                     if msg is None:
                         continue
                     if msg["type"] == expect and msg.get("id") == msg_id:
+                        msg["received"] = time.monotonic()  # when the watchdog knows it ended
                         replies[msg["rank"]] = msg
                         pending.discard(msg["rank"])
             if self.wake_r in ready:
