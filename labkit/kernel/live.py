@@ -2,8 +2,10 @@
 
 Shown once a cell has run for `SHOW_AFTER` seconds, so quick cells stay quick: one line per
 rank with its state, e.g. "rank 1 inside all_reduce #17 on group [0, 1] for 4.2 s, line 3".
-In a notebook it is an HTML display updated in place and cleared when the cell ends; elsewhere
-it stays silent.
+In a notebook it is an HTML display updated in place; when the cell ends it is updated to an
+empty bundle, so the saved notebook keeps no stale "running for 1.2 s" (frontends draw nothing
+for it). Its text is empty too, so text frontends (a console, nbconvert to text) never show a
+snapshot of it; outside a kernel (terminal IPython, scripts) it stays silent.
 
 Why no Stop button in it: while a cell runs the kernel's shell is busy, so a widget's click is
 only handled after the cell ends. What reaches labkit mid-cell is the notebook's own Stop
@@ -101,18 +103,19 @@ class LiveStatus:
         self._show(status_html(states, elapsed))
 
     def _show(self, text: str) -> None:
-        from IPython.display import HTML, display
+        from IPython.display import display
 
         self.html = text
+        bundle = {"text/html": text, "text/plain": ""}  # live in HTML only: text would go stale
         if self.handle is None:
-            self.handle = display(HTML(text), display_id=True)
+            self.handle = display(bundle, raw=True, display_id=True)
         else:
-            self.handle.update(HTML(text))
+            self.handle.update(bundle, raw=True)
 
     def close(self) -> None:
-        if self.handle is not None:  # clear it: empty html and text, no "<HTML object>" left
+        if self.handle is not None:  # an empty bundle: nothing drawn, nothing saved but {}
             self.html = ""
-            self.handle.update({"text/html": "", "text/plain": ""}, raw=True)
+            self.handle.update({}, raw=True)
         if self.enabled and self.lab is not None and getattr(self.lab, "dead", None):
             from IPython.display import display
 

@@ -20,12 +20,12 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments
-from IPython.display import HTML, display
+from IPython.display import display
 
 from labkit.kernel import lab as lab_module
 from labkit.kernel.logs import read_tail
 from labkit.kernel.policy import BACKENDS, DEVICES
-from labkit.kernel.results import values_html
+from labkit.kernel.results import RankValues
 from labkit.wire.logfile import log_path
 
 COMMANDS = ("start", "attach", "status", "restart", "stop", "logs")
@@ -203,9 +203,9 @@ class LabMagics(Magics):
             raise UsageError(f"%%ranks: {exc}\n{_usage(self.ranks)}") from None
         results = lab.run(cell, ranks=args.ranks, timeout=args.timeout)
         if not cell.rstrip().endswith(";"):
-            page = values_html({r: res for r, res in results.items() if res.error is None})
-            if page:
-                display(HTML(page), metadata={"labkit": "values"})
+            shown = RankValues({r: res for r, res in results.items() if res.error is None})
+            if shown:  # HTML in a notebook, `rank r: value` lines as text
+                display(shown, metadata={"labkit": "values"})
         results.raise_for_errors()
 
 

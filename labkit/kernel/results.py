@@ -3,7 +3,12 @@
 `Results` maps rank -> `RankResult` (value, output, duration, error). A failure on one or more
 ranks becomes a `RemoteError` naming the root cause: the earliest error by (offset-corrected)
 time, as torch.distributed.elastic does, with that rank's traceback first. IPython renders it
-through `_render_traceback_`, like ipyparallel's remote errors.
+through `_render_traceback_`, like ipyparallel's remote errors; every `LabError` does: IPython
+shows what happened, to which rank, and what to do, without labkit's own frames or the internal
+exceptions it was raised from, and `str(err)` reads the same outside IPython.
+
+A `%%ranks` cell shows its values as `RankValues`: an HTML box per rank in a notebook, and a
+`rank r: value` line per rank as text (terminal IPython, nbconvert to text, screen readers).
 """
 
 from __future__ import annotations
@@ -32,8 +37,25 @@ class LabkitWarning(UserWarning):
     """A warning of labkit's own (tests turn these into errors)."""
 
 
+RED, YELLOW, RESET = "\x1b[31m", "\x1b[33m", "\x1b[0m"
+
+
+def _paint(color: str, text: str, on: bool) -> str:
+    return f"{color}{text}{RESET}" if on else text
+
+
 class LabError(RuntimeError):
     """The lab could not do what was asked (bad state, dead rank, recovery happened)."""
+
+    def explain(self, color: bool = False) -> list[str]:
+        """The lines a user reads: `LabError: what happened`, then the rest of the message."""
+        head, *rest = str(self).splitlines() or [""]
+        return [f"{_paint(RED, type(self).__name__, color)}: {head}", *rest]
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing the traceback: labkit's own frames, and any
+        # exception this one was raised while handling, say nothing to a user
+        return self.explain(color=True)
 
 
 class RemoteError(LabError):
@@ -47,21 +69,37 @@ class RemoteError(LabError):
         msg = f"rank {self.root} raised {first['type']}: {first['message']}"
         if others:
             msg += f" (root cause; also failed: rank {', '.join(map(str, others))})"
+        self.headline = msg
         if note:
             msg += f"\n{note}"
         self.note = note
         super().__init__(msg)
 
-    def _render_traceback_(self) -> list[str]:
-        lines = []
-        for r in [self.root] + sorted(r for r in self.errors if r != self.root):
-            err = self.errors[r]
-            tag = " (root cause)" if r == self.root and len(self.errors) > 1 else ""
-            lines.append(f"\x1b[31m--- rank {r}{tag} ---\x1b[0m")
-            lines.extend(err["traceback"].rstrip("\n").splitlines())
+    def _section(self, rank: int, color: bool) -> list[str]:
+        tag = " (root cause)" if rank == self.root and len(self.errors) > 1 else ""
+        lines = [_paint(RED, f"--- rank {rank}{tag} ---", color)]
+        return lines + self.errors[rank]["traceback"].rstrip("\n").splitlines()
+
+    def _body(self, color: bool, every_rank: bool) -> list[str]:
+        """The headline, the root cause's traceback (every rank's with `every_rank`), the note."""
+        lines = self._section(self.root, color)
+        for r in sorted(r for r in self.errors if r != self.root):
+            if every_rank:
+                lines += self._section(r, color)
+            else:
+                err = self.errors[r]
+                first = (err["message"].splitlines() or [""])[0]
+                lines.append(f"rank {r} also raised {err['type']}: {first}")
         if self.note:
-            lines.append(f"\x1b[33m{self.note}\x1b[0m")
+            lines += [_paint(YELLOW, line, color) for line in self.note.splitlines()]
         return lines
+
+    def __str__(self) -> str:  # what `print(err)` and a plain Python traceback show
+        return "\n".join([self.headline, *self._body(color=False, every_rank=False)])
+
+    def explain(self, color: bool = False) -> list[str]:
+        name = _paint(RED, type(self).__name__, color)
+        return [f"{name}: {self.headline}", *self._body(color, every_rank=True)]
 
 
 class Results(dict):
@@ -80,18 +118,51 @@ class Results(dict):
             raise RemoteError(self.errors, note)
 
     def __repr__(self) -> str:
-        parts = []
-        for r, res in sorted(self.items()):
-            if res.error:
-                parts.append(f"[rank {r}] {res.error['type']}: {res.error['message']}")
-            elif res.display:
-                parts.append(f"[rank {r}] {res.display['text']}")
-            else:
-                parts.append(f"[rank {r}] {res.value!r}")
-        return "\n".join(parts)
+        return "\n".join(
+            _rank_line(r, res.display["text"] if res.display else repr(res.value), res)
+            for r, res in sorted(self.items())
+        )
 
     def _repr_html_(self) -> str:
         return values_html(self)
+
+
+class RankValues:
+    """What a `%%ranks` cell shows: per rank its value (or error), as HTML and as text."""
+
+    def __init__(self, results: dict[int, RankResult]):
+        self.results = results
+
+    def __bool__(self) -> bool:  # False when no rank has anything to show
+        return bool(repr(self))
+
+    def __repr__(self) -> str:
+        return values_text(self.results)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # terminal IPython's pretty printer
+        p.text(repr(self))
+
+    def _repr_html_(self) -> str:
+        return values_html(self.results)
+
+
+def _rank_line(rank: int, text: str, res: RankResult) -> str:
+    """`rank r: value`, a multi-line value's next lines indented under its first."""
+    if res.error:
+        text = f"{res.error['type']}: {res.error['message']}"
+    elif res.value_error:
+        text += f"\n({res.value_error})"
+    head = f"rank {rank}: "
+    return head + text.rstrip("\n").replace("\n", "\n" + " " * len(head))
+
+
+def values_text(results: dict[int, RankResult]) -> str:
+    """The text twin of `values_html`: one `rank r: value` per rank that has one to show."""
+    return "\n".join(
+        _rank_line(r, res.display["text"] if res.display else "", res)
+        for r, res in sorted(results.items())
+        if res.error or res.display is not None
+    )
 
 
 def _header(rank: int, info: dict[str, Any] | None) -> str:
