@@ -25,7 +25,7 @@ from typing import Any
 
 from labkit.kernel.attached import TorchrunRanks
 from labkit.kernel.cell_run import CellOutcome, CellRun, exec_message, recovery_note, results
-from labkit.kernel.channel import Channel
+from labkit.kernel.channel import Channel, Stuck
 from labkit.kernel.forked import ForkedRanks
 from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.live import ranks_info, status_report
@@ -158,8 +158,11 @@ class Lab:
                 raise LabError("this lab was stopped; create a new one with labkit.Lab(n)")
             if self.running:
                 raise LabError("the lab is already running; use restart() to start it anew")
-            self.launcher.start()
-            self.offsets = self.channel.measure_offsets(list(self.pids))
+            try:
+                self.launcher.start()
+                self.offsets = self.channel.measure_offsets(list(self.pids))
+            except Stuck as exc:  # a rank died or did not answer while starting
+                raise LabError(f"the ranks could not start: {exc}") from None
             _make_current(self)
             return self
 
