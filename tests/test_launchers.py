@@ -185,3 +185,21 @@ def test_forked_ranks_can_restart_and_say_so() -> None:
     from labkit.kernel.attached import TorchrunRanks
 
     assert "cannot restart" in TorchrunRanks.cannot_restart
+
+
+def test_a_rank_lost_while_starting_is_a_lab_error_not_an_internal_one() -> None:
+    import labkit
+    from labkit.kernel.results import LabError
+
+    class DiesAtStart(FakeLauncher):
+        def start(self):
+            raise Stuck("rank 1 died (killed by signal SIGKILL)", died=1)
+
+    lab = labkit.Lab(2, device="cpu", start=False)
+    try:
+        lab.launcher = DiesAtStart(lab.channel)
+        with pytest.raises(LabError, match="could not start: rank 1 died") as info:
+            lab.start()
+        assert info.value.__cause__ is None and info.value.__suppress_context__
+    finally:
+        lab.stop()
