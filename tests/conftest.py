@@ -70,7 +70,8 @@ def _others(procs: dict) -> set[Key]:
 
 
 def _fail_if_left(keys: set[Key], what: str) -> None:
-    left = wait_gone(keys, ORPHAN_WAIT)
+    helpers = _helpers()
+    left = wait_gone({k for k in keys if k[0] not in helpers}, ORPHAN_WAIT)
     if left:
         names = describe(left)
         _reported.update(left)
