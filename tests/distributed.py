@@ -2,18 +2,26 @@
 
 `run_ranks(fn, world_size, *args)` spawns `world_size` processes, initialises a gloo process
 group in each, calls `fn(rank, world_size, *args)` and returns the per-rank return values as a
-list. A rank that raises fails the call with that rank's traceback; a hang fails after
-`timeout` seconds instead of freezing the suite. `fn` must be importable (defined at module
-level in a test module).
+list. A rank that raises fails the call with that rank's traceback, a rank that dies without
+answering fails it with its exit code, and a hang fails after `timeout` seconds instead of
+freezing the suite. `fn` must be importable (defined at module level in a test module).
+
+Each rank answers with plain pickle bytes on its own pipe. Not a multiprocessing queue: once
+torch is imported, a queue pickles tensors as shared-memory handles that the receiver fetches
+from the sender, so a rank that exits before the test process reads its answer breaks the read
+(FileNotFoundError in rebuild_storage_fd). Bytes in a pipe outlive the process that wrote them.
 """
 
 from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import pickle
 import socket
+import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from typing import Any
 
 
@@ -23,7 +31,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(fn, rank, world_size, port, args, queue):
+def _entry(fn, rank, world_size, port, args, conn):
     import torch.distributed as dist
 
     os.environ.update(
@@ -35,9 +43,18 @@ def _entry(fn, rank, world_size, port, args, queue):
     )
     try:
         dist.init_process_group("gloo", rank=rank, world_size=world_size)
-        queue.put((rank, True, fn(rank, world_size, *args)))
+        answer = (True, fn(rank, world_size, *args))
     except BaseException:
-        queue.put((rank, False, traceback.format_exc()))
+        answer = (False, traceback.format_exc())
+    try:
+        data = pickle.dumps(answer, protocol=pickle.HIGHEST_PROTOCOL)  # tensors by value
+    except Exception:
+        data = pickle.dumps(
+            (False, f"the return value cannot be pickled:\n{traceback.format_exc()}")
+        )
+    try:
+        conn.send_bytes(data)
+        conn.close()
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -45,25 +62,45 @@ def _entry(fn, rank, world_size, port, args, queue):
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list:
     ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
     port = _free_port()
-    procs = [
-        ctx.Process(target=_entry, args=(fn, r, world_size, port, args, queue))
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
+    conns, procs = {}, {}
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout)
-            if not ok:
-                raise AssertionError(f"rank {rank} raised:\n{value}")
-            results[rank] = value
+        for r in range(world_size):
+            recv, send = ctx.Pipe(duplex=False)
+            procs[r] = ctx.Process(target=_entry, args=(fn, r, world_size, port, args, send))
+            procs[r].start()
+            send.close()  # the rank holds the only write end: EOF means it ended
+            conns[r] = recv
+        return _collect(conns, procs, time.monotonic() + timeout, timeout)
     finally:
-        for p in procs:
+        for p in procs.values():
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
                 p.join()
-    return [results[r] for r in range(world_size)]
+        for c in conns.values():
+            c.close()
+
+
+def _collect(conns: dict, procs: dict, deadline: float, timeout: float) -> list:
+    """Each rank's answer, read as it comes; a rank that raised or died fails the call."""
+    results: dict[int, Any] = {}
+    while len(results) < len(procs):
+        pending = [r for r in procs if r not in results]
+        left = deadline - time.monotonic()
+        if left <= 0 or not wait([conns[r] for r in pending], timeout=left):
+            raise AssertionError(f"ranks {pending} did not answer within {timeout:.0f} s")
+        for r in pending:
+            if not conns[r].poll():
+                continue
+            try:
+                ok, value = pickle.loads(conns[r].recv_bytes())
+            except EOFError:  # it closed its pipe without a word: it died
+                procs[r].join(timeout=5)
+                raise AssertionError(
+                    f"rank {r} died without answering (exit code {procs[r].exitcode})"
+                ) from None
+            if not ok:
+                raise AssertionError(f"rank {r} raised:\n{value}")
+            results[r] = value
+    return [results[r] for r in range(len(procs))]

@@ -18,11 +18,13 @@ import threading
 import time
 
 import pytest
+from processes import alive, key, subtree
+from processes import end as end_processes
 
 import labkit
 from labkit import LabError
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("load")]
 
 
 def _free_port() -> int:
@@ -68,14 +70,24 @@ def wait_all(procs, timeout):
 
 
 def end(procs):
+    """End the torchrun agents we started and every process below them, by pid.
+
+    torchrun starts each worker in a session of its own, so signalling the agents' process
+    group would miss the workers: they are found in /proc before the agents are told to stop,
+    and whatever of them is left after 10 s is killed by pid.
+    """
+    agents = {k for k in (key(p.pid) for p in procs if p.poll() is None) if k}
+    tree = subtree(agents)
     for p in procs:  # our own children, by their Popen handles
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
-    wait_all(procs, 10)
+    deadline = time.monotonic() + 10
+    while tree and time.monotonic() < deadline:
+        tree = {k for k in tree | subtree(agents) if alive(k)}  # workers started meanwhile
+        time.sleep(0.1)
+    end_processes(tree)
     for p in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
+        p.wait()
         if p.stderr:
             p.stderr.close()
 
@@ -88,8 +100,10 @@ def attached():
         lab.wait_attached(180)
         yield lab, procs
     finally:
-        lab.stop()
-        end(procs)
+        try:
+            lab.stop()
+        finally:  # even if stop() failed or hung until a timeout: the job must not outlive us
+            end(procs)
 
 
 def test_attach_prints_the_command_and_keeps_the_key_private(attached):
@@ -154,8 +168,27 @@ def test_stop_ends_the_torchrun_job():
         lab.stop()
         assert wait_all(procs, 30) == [0, 0]
     finally:
+        try:
+            lab.stop()
+        finally:
+            end(procs)
+
+
+def test_stop_ends_the_torchrun_job_when_a_cell_was_abandoned():
+    # the ranks spin in user code and cannot read `exit`: the dropped link must end them
+    lab = labkit.Lab.attach(2, wait=False)
+    procs = start_torchrun(lab.endpoint, lab.key_file)
+    try:
+        lab.wait_attached(180)
+        with pytest.raises(LabError, match="timeout"):
+            lab.run("while True:\n    pass", timeout=2)
         lab.stop()
-        end(procs)
+        assert None not in wait_all(procs, 30), "torchrun's ranks outlived the stopped lab"
+    finally:
+        try:
+            lab.stop()
+        finally:
+            end(procs)
 
 
 KERNEL = textwrap.dedent("""
@@ -164,13 +197,17 @@ KERNEL = textwrap.dedent("""
     print("EP", lab.endpoint, lab.key_file, flush=True)
     lab.wait_attached(180)
     print("ready", flush=True)
-    sys.stdin.read()
+    lab.run("print('spinning', flush=True)\\nwhile True:\\n    pass")
 """)
 
 
 def test_attached_ranks_leave_when_the_kernel_dies():
+    # mid-cell: the ranks' main threads spin in user code when the kernel goes
     kernel = subprocess.Popen(
-        [sys.executable, "-c", KERNEL], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-u", "-c", KERNEL],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
     )
     procs = []
     try:
@@ -181,6 +218,9 @@ def test_attached_ranks_leave_when_the_kernel_dies():
         endpoint, key_file = line.split()[1:]
         procs = start_torchrun(endpoint, key_file)
         assert kernel.stdout.readline().strip() == "ready"
+        while "spinning" not in line:
+            line = kernel.stdout.readline()
+            assert line, "the kernel ended early"
         kernel.kill()
         kernel.wait()
         codes = wait_all(procs, 40)

@@ -159,6 +159,7 @@ def test_classes_defined_on_ranks_come_back(lab):
     assert res[3].value.v == 3
 
 
+@pytest.mark.usefixtures("load")
 def test_interrupt_stops_busy_ranks_and_keeps_state(lab):
     lab.run("kept = rank + 1")
     timer = threading.Timer(1.0, lambda: __import__("_thread").interrupt_main())

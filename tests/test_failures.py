@@ -14,7 +14,7 @@ from conftest import pid_alive
 import labkit
 from labkit import LabError, LabkitWarning, RemoteError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("load")]
 
 
 def _usable(lab):

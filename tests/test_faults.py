@@ -22,7 +22,7 @@ from conftest import pid_alive
 import labkit
 from labkit import LabError, LabkitWarning, RemoteError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("load")]
 FAST = 15.0  # seconds: a clear message must come well within this
 
 
