@@ -2,15 +2,13 @@
 
 Stop is pressed (SIGINT to the kernel's main thread) at the moments a timer cannot hit
 reliably: before the ranks received the cell (the latch is sent first), between two cells, and
-while a rank is inside a C++ op. Each case also runs with the CPU saturated by two busy loops,
-started and ended by pid, as on a shared workshop server.
+while a rank is inside a C++ op. Each case also runs with every CPU saturated by busy loops
+(conftest's `load`), as on a shared workshop server.
 """
 
 from __future__ import annotations
 
 import _thread
-import subprocess
-import sys
 import threading
 import time
 
@@ -24,20 +22,11 @@ from labkit.kernel.policy import threads_per_rank
 pytestmark = pytest.mark.timeout(180)
 
 
-@pytest.fixture(scope="module", params=["idle", "loaded"])
-def lab(request):
-    loops = []
-    if request.param == "loaded":
-        code = "while True: pass"
-        loops = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(2)]
+@pytest.fixture(scope="module")
+def lab(load):  # conftest's `load`: every test runs on a quiet CPU, then on a saturated one
     lab = labkit.Lab(2, device="cpu")
-    try:
-        yield lab
-    finally:
-        lab.stop()
-        for p in loops:  # only the loops this fixture started
-            p.kill()
-            p.wait()
+    yield lab
+    lab.stop()
 
 
 def press_stop_after(seconds: float) -> threading.Timer:
