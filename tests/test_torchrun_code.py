@@ -139,6 +139,18 @@ def test_init_disagreement_reads_what_torch_would_read():
     assert init_disagreement({"world_size": 2, "rank": -1}, have, "cpu", env) == []
 
 
+def test_ranks_have_the_variables_torchrun_sets(lab):
+    names = (
+        "RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE MASTER_ADDR MASTER_PORT GROUP_RANK "
+        "GROUP_WORLD_SIZE ROLE_NAME ROLE_RANK ROLE_WORLD_SIZE TORCHELASTIC_RUN_ID "
+        "TORCHELASTIC_RESTART_COUNT TORCHELASTIC_MAX_RESTARTS"
+    ).split()
+    cell = (
+        f"import os\n([n for n in {names} if n not in os.environ], dist.is_torchelastic_launched())"
+    )
+    assert _ok(lab.run(cell)).values_by_rank == {0: ([], True), 1: ([], True)}
+
+
 # -- lab.run_script and %lab run -------------------------------------------------------------
 SCRIPT = """\
 import os

@@ -26,7 +26,8 @@ from labkit.wire.config import RankConfig
 
 
 def set_torchrun_environment(cfg: RankConfig) -> None:
-    """The variables torchrun sets, for a rank forked by labkit on this machine."""
+    """The variables torchrun sets, for a rank forked by labkit on this machine (MASTER_PORT
+    comes with the store's port, in `join`)."""
     os.environ.update(
         {
             "RANK": str(cfg.rank),
@@ -35,7 +36,14 @@ def set_torchrun_environment(cfg: RankConfig) -> None:
             "LOCAL_WORLD_SIZE": str(cfg.local_world_size),
             "MASTER_ADDR": cfg.master_addr,
             "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_NAME": "default",
             "ROLE_RANK": str(cfg.rank),
+            "ROLE_WORLD_SIZE": str(cfg.world_size),
+            # a script that asks dist.is_torchelastic_launched() is told yes, as under torchrun
+            "TORCHELASTIC_RUN_ID": "labkit",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
         }
     )
     # one machine: gloo and NCCL listen on loopback only, unless the user chose
