@@ -4,12 +4,15 @@
     torchrun --nnodes=2 --nproc-per-node=4 --node-rank=N \\
         --rdzv-backend=c10d --rdzv-endpoint=HOST:29400 --rdzv-id=digits \\
         examples/ddp_digits.py                                                   # two hosts
+    %lab run examples/ddp_digits.py --epochs 1 --check        # on a notebook's lab, unchanged
 
 The training lines are the notebook cell's, unchanged: `train_sync_sgd` on every rank, each
 rank on its own shard of the 8x8 digits. What the notebook's lab did for you is written out
 here: read the torchrun variables, pick the backend and device, form the process group, and
-take it down at the end. Rank 0 prints the final global loss; `--check` also trains the
-single-process reference (`train_reference`) and exits non-zero unless the two agree to 1e-5.
+take it down at the end (run on a lab, `init_process_group` finds the lab's group already up
+and uses it, and `destroy_process_group` leaves it for the next cell). Rank 0 prints the final
+global loss; `--check` also trains the single-process reference (`train_reference`) and exits
+non-zero unless the two agree to 1e-5.
 """
 
 from __future__ import annotations

@@ -128,6 +128,13 @@ class CellRun:
             stuck = exc
             if deadline is not None and time.monotonic() > deadline:
                 stuck = Stuck(f"the cell ran past its timeout of {self.timeout} s ({exc})")
+        except BaseException:  # the call is abandoned (say, a test's timeout): stop the ranks too
+            running = [r for r in self.targets if r not in self.replies]
+            try:
+                self.launcher.interrupt(running, self.cell)
+            except Exception:  # noqa: BLE001 - the original error is the one to show
+                pass
+            raise
         finally:
             self.live.close()
         outcome = CellOutcome(self.replies, self.started, stuck)

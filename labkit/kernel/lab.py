@@ -23,6 +23,7 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
+from labkit.kernel import script_run
 from labkit.kernel.attached import TorchrunRanks
 from labkit.kernel.cell_run import CellOutcome, CellRun, exec_message, recovery_note, results
 from labkit.kernel.channel import Channel, Stuck
@@ -313,6 +314,11 @@ class Lab:
             targets = self.ranks(ranks)
             msg = exec_message(code_or_function, targets, self.world_size, display)
             return self._call(msg, targets, timeout or self.timeout)
+
+    def run_script(self, path: str, argv: Any = (), timeout: float | None = None) -> Results:
+        """Run a torchrun script unchanged on every rank, as `__main__` with `sys.argv` set
+        (kernel side; the kernel reads the file). See labkit.kernel.script_run."""
+        return script_run.run_script(self, path, argv, timeout)
 
     def _call(self, msg: Any, targets: list[int], timeout: float | None) -> Results:
         """Send one request to `targets` as a new cell and wait for its results."""

@@ -16,7 +16,7 @@ from labkit.wire.logfile import LOG_HEADER, log_path
 TAIL_BYTES = 8 << 20  # a rank that floods its output leaves a huge log: read only its end
 
 # lines of a crash report that say nothing to a learner (labkit's and Python's own frames)
-LABKIT_RANK_FILES = r"worker|fork_server|user_code|process_group|torchrun_entry"
+LABKIT_RANK_FILES = r"worker|fork_server|user_code|process_group|script|torchrun_entry"
 NOISE = re.compile(
     rf"labkit[/\\]rank[/\\]({LABKIT_RANK_FILES})\.py|<frozen runpy>|^Extension modules:"
 )

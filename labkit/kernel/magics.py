@@ -3,6 +3,7 @@
 %lab start 4 [--backend gloo|nccl|auto] [--device cpu|cuda|auto] [--timeout S]
 %lab attach N [--host H] [--port P] [--key-file F] [--nnodes K]   ranks started by torchrun
 %lab status | %lab restart [N] | %lab stop | %lab logs RANK [--lines N]
+%lab run SCRIPT [ARGS...] [--timeout S before SCRIPT]   a torchrun script, unchanged, on every rank
 %%ranks [RANKS] [--timeout S]     run the cell on every rank, or on RANKS such as 0,2 or 1-3
 
 Arguments are parsed by IPython's `magic_arguments`, so `%lab?` and `%%ranks?` show the help.
@@ -19,7 +20,7 @@ from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
-from IPython.core.magic_arguments import argument, magic_arguments
+from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
 
 from labkit.kernel import lab as lab_module
@@ -28,7 +29,7 @@ from labkit.kernel.policy import BACKENDS, DEVICES
 from labkit.kernel.results import RankValues
 from labkit.wire.logfile import log_path
 
-COMMANDS = ("start", "attach", "status", "restart", "stop", "logs")
+COMMANDS = ("start", "attach", "status", "restart", "stop", "logs", "run")
 
 
 def _count(text: str) -> int:
@@ -184,6 +185,26 @@ class LabMagics(Magics):
         """Show the end of a rank's complete output, kept on disk (it survives a crash)."""
         lab = lab_module.current()
         print(read_log(lab.log_dir, args.rank, lab.world_size, args.lines), end="")
+
+    @magic_arguments("lab run")
+    @kwds(usage="%(prog)s [--timeout S] SCRIPT [ARGS ...]")  # argparse would call ARGS required
+    @argument(
+        "--timeout", type=_seconds, metavar="S", help="seconds the script may run (before SCRIPT)"
+    )
+    @argument("script", nargs="?", metavar="SCRIPT", help="a Python file on the notebook's machine")
+    @argument("args", nargs=argparse.REMAINDER, metavar="ARGS", help="its sys.argv[1:]")
+    def _lab_run(self, args: argparse.Namespace) -> None:
+        """Run a torchrun script unchanged on every rank: as `__main__`, with `sys.argv`."""
+        if args.script is None:
+            raise UsageError(
+                "%lab run needs a SCRIPT, the path of a Python file, such as "
+                f"%lab run examples/ddp_digits.py --epochs 1\n{_usage(self._lab_run)}"
+            )
+        try:
+            results = lab_module.current().run_script(args.script, args.args, args.timeout)
+        except (OSError, TypeError) as exc:  # checked in the kernel before anything is sent
+            raise UsageError(f"%lab run: {exc}\n{_usage(self._lab_run)}") from None
+        results.raise_for_errors()
 
     @magic_arguments("%ranks")  # so that the usage reads %%ranks
     @argument("ranks", nargs="?", metavar="RANKS", help="all (default), or such as 0,2 or 1-3")

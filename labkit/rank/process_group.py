@@ -6,6 +6,9 @@ the port in its `hello`; every rank joins the group under the prefix of its gene
 restart never meets an old group's keys. A rank started by torchrun joins with env:// as a
 script would. `pick_device` is the one place a rank's device is decided.
 
+`accept_script_calls` lets code written for torchrun call `init_process_group` and
+`destroy_process_group` in a cell or a script while the lab keeps its group for the next cell.
+
 This module never imports IPython, ipywidgets or plotly.
 """
 
@@ -13,15 +16,18 @@ from __future__ import annotations
 
 import datetime
 import functools
+import inspect
 import os
 import socket
 from typing import Any
+from urllib.parse import parse_qs, urlparse
 
 from labkit.wire.config import RankConfig
 
 
 def set_torchrun_environment(cfg: RankConfig) -> None:
-    """The variables torchrun sets, for a rank forked by labkit on this machine."""
+    """The variables torchrun sets, for a rank forked by labkit on this machine (MASTER_PORT
+    comes with the store's port, in `join`)."""
     os.environ.update(
         {
             "RANK": str(cfg.rank),
@@ -30,7 +36,14 @@ def set_torchrun_environment(cfg: RankConfig) -> None:
             "LOCAL_WORLD_SIZE": str(cfg.local_world_size),
             "MASTER_ADDR": cfg.master_addr,
             "GROUP_RANK": "0",
+            "GROUP_WORLD_SIZE": "1",
+            "ROLE_NAME": "default",
             "ROLE_RANK": str(cfg.rank),
+            "ROLE_WORLD_SIZE": str(cfg.world_size),
+            # a script that asks dist.is_torchelastic_launched() is told yes, as under torchrun
+            "TORCHELASTIC_RUN_ID": "labkit",
+            "TORCHELASTIC_RESTART_COUNT": "0",
+            "TORCHELASTIC_MAX_RESTARTS": "0",
         }
     )
     # one machine: gloo and NCCL listen on loopback only, unless the user chose
@@ -90,18 +103,66 @@ def pick_device(cfg: RankConfig, torch: Any) -> Any:
     return torch.device("cpu")
 
 
-def reuse_store_in_init(dist: Any, rank: Any) -> None:
-    """Let a cell call `dist.init_process_group(...)` as a torchrun script does.
+def accept_script_calls(dist: Any, rank: Any) -> None:
+    """Let a cell or a script call `init_process_group` and `destroy_process_group` as a
+    torchrun script does (rank side, once at start-up; every rank installs it).
 
-    MASTER_PORT belongs to rank 0's store, which labkit keeps open, so env:// would fail to
-    bind it. A call without `store` or `init_method` joins that store under a fresh prefix
-    instead (every rank counts its calls the same way); a destroyed group can be re-created.
+    The user still calls the real functions; each is wrapped in place, in `torch.distributed`
+    and in `distributed_c10d` (as the tracer's are), and the wrapper only decides what the call
+    means in a lab whose default group is already up:
+
+    - `init_process_group(...)` while a default group is up: that group is the one a torchrun
+      script asks for, so a call that agrees with it (backend, world size and rank, read as
+      torch reads them: the arguments, else the init_method URL, else RANK and WORLD_SIZE)
+      returns at once; one that disagrees raises a ValueError naming the rank and what differs.
+    - `init_process_group(...)` with no default group (destroyed for real, through
+      `destroy_process_group.__wrapped__`): MASTER_PORT belongs to rank 0's store, which labkit
+      keeps open, so env:// would fail to bind it; a call without `store` or `init_method` joins
+      that store under a fresh prefix instead (every rank counts its calls the same way).
+    - `destroy_process_group()` (no group, or the WORLD group) destroys every other group, as
+      torch does, but keeps the default group for the next cell, so `dist.is_initialized()`
+      stays True: the group is really there. `destroy_process_group(subgroup)` destroys it.
+
+    Rank 0 prints a one-line note the first time each call is taken this way.
     """
-    real = dist.init_process_group
-    calls = [0]
+    import torch.distributed.distributed_c10d as c10d
 
-    @functools.wraps(real)
+    real_init, real_destroy = dist.init_process_group, dist.destroy_process_group
+    if hasattr(real_init, "__labkit_real__"):
+        return
+    signature = inspect.signature(real_init)
+    calls = [0]
+    noted: set[str] = set()
+
+    def note(what: str, text: str) -> None:
+        if rank.rank == 0 and what not in noted:
+            noted.add(what)
+            print(f"labkit: {text}", flush=True)
+
+    @functools.wraps(real_init)
     def init_process_group(*args: Any, **kwargs: Any) -> Any:
+        if dist.is_initialized():
+            bound = signature.bind(*args, **kwargs).arguments
+            have = {
+                "backend": dist.get_backend(),
+                "world_size": dist.get_world_size(),
+                "rank": dist.get_rank(),
+            }
+            differs = init_disagreement(bound, have, rank.cfg.device, os.environ)
+            if differs:
+                raise ValueError(
+                    f"rank {rank.rank}: init_process_group({_call_text(bound)}) asks for another "
+                    f"group than the lab's, which is already up ({have['backend']}, world size "
+                    f"{have['world_size']}): {'; '.join(differs)}. Call it as the torchrun script "
+                    "would (the lab set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT), or start "
+                    "the lab you want: labkit.Lab(n, backend=...) or lab.restart(n)"
+                )
+            note(
+                "init",
+                f"init_process_group: the lab's process group ({have['backend']}, world size "
+                f"{have['world_size']}) is already up; the call uses it",
+            )
+            return None
         if kwargs.get("store") is None and kwargs.get("init_method") in (None, "env://"):
             if len(args) < 2 and rank.store is not None:
                 calls[0] += 1
@@ -109,6 +170,70 @@ def reuse_store_in_init(dist: Any, rank: Any) -> None:
                 kwargs["store"] = dist.PrefixStore(f"labkit/{rank.gen}/user{calls[0]}", rank.store)
                 kwargs.setdefault("rank", rank.rank)
                 kwargs.setdefault("world_size", rank.cfg.world_size)
-        return real(*args, **kwargs)
+        return real_init(*args, **kwargs)
 
-    dist.init_process_group = init_process_group
+    @functools.wraps(real_destroy)
+    def destroy_process_group(group: Any = None) -> None:
+        whole = group is None or group == c10d.GroupMember.WORLD
+        if not whole or not dist.is_initialized():
+            return real_destroy(group)
+        default = c10d._get_default_group()
+        for pg in reversed(list(c10d._world.pg_map)):  # the user's subgroups, newest first
+            if pg is not default:
+                real_destroy(pg)
+        note(
+            "destroy",
+            "destroy_process_group: the lab keeps its default group for the next cell "
+            "(other groups are destroyed)",
+        )
+        return None
+
+    for name, wrapper, real in (
+        ("init_process_group", init_process_group, real_init),
+        ("destroy_process_group", destroy_process_group, real_destroy),
+    ):
+        wrapper.__labkit_real__ = real  # type: ignore[attr-defined]
+        setattr(dist, name, wrapper)
+        if getattr(c10d, name, None) is real:
+            setattr(c10d, name, wrapper)
+
+
+def init_disagreement(
+    bound: dict[str, Any], have: dict[str, Any], device: str, env: Any
+) -> list[str]:
+    """What an `init_process_group` call asks for that the group `have` is not (pure).
+
+    `bound` are the call's arguments by name; a value the call leaves to torch is read where
+    torch reads it (the init_method URL's query, then RANK and WORLD_SIZE for env://). A
+    backend such as "cpu:gloo,cuda:nccl" is compared for the lab's device ("cpu" or "cuda").
+    """
+    differs = []
+    wanted = _backend_for(bound.get("backend"), device)
+    lab_backend = _backend_for(have["backend"], device)
+    if wanted is not None and wanted != lab_backend:
+        differs.append(f"backend {bound['backend']!r} here, {have['backend']!r} in the lab")
+    init_method = bound.get("init_method")
+    query = parse_qs(urlparse(init_method).query) if isinstance(init_method, str) else {}
+    from_env = bound.get("store") is None and (init_method is None or init_method == "env://")
+    for name, env_name in (("world_size", "WORLD_SIZE"), ("rank", "RANK")):
+        value = bound.get(name, -1)
+        if value is None or value == -1:
+            value = query[name][0] if name in query else env.get(env_name) if from_env else None
+        if value is not None and int(value) != have[name]:
+            differs.append(f"{name} {int(value)} here, {have[name]} in the lab")
+    return differs
+
+
+def _backend_for(backend: Any, device: str) -> str | None:
+    """The backend a `backend` argument picks for `device` (None: torch's default)."""
+    if backend is None:
+        return None
+    text = str(backend).lower()
+    if ":" not in text:
+        return text
+    pairs = dict(part.split(":", 1) for part in text.split(",") if ":" in part)
+    return pairs.get(device, "none")
+
+
+def _call_text(bound: dict[str, Any]) -> str:
+    return ", ".join(f"{k}={v!r}" for k, v in bound.items())

@@ -21,11 +21,18 @@ from typing import Any
 from labkit.wire.messages import DisplayInfo, RankErrorInfo, TensorInfo
 
 # frames of labkit's own that a user's traceback leaves out
-_OWN_FILES = tuple(os.path.join("labkit", "rank", f) for f in ("worker.py", "user_code.py"))
+_OWN_FILES = tuple(
+    os.path.join("labkit", "rank", f)
+    for f in ("worker.py", "user_code.py", "script.py", "process_group.py")
+)
 
 
 def call_function(fn_bytes: bytes, ns: dict[str, Any]) -> Any:
-    """Call a function pickled in the kernel with the namespace names it takes as parameters."""
+    """Call a function pickled in the kernel with the namespace names it takes as parameters.
+
+    Any pickled callable will do (`labkit.rank.script.Script` is one); only a function gets
+    the rank's names as globals.
+    """
     import inspect
 
     import cloudpickle
@@ -33,9 +40,10 @@ def call_function(fn_bytes: bytes, ns: dict[str, Any]) -> Any:
     fn = cloudpickle.loads(fn_bytes)
     # a function from the notebook sees the rank's names (dist, torch, device, ...) where
     # the kernel had none of its own
+    fn_globals = getattr(fn, "__globals__", {})
     for name, value in ns.items():
         if not name.startswith("__"):
-            fn.__globals__.setdefault(name, value)
+            fn_globals.setdefault(name, value)
     params = inspect.signature(fn).parameters
     kwargs = {k: ns[k] for k in params if k in ns}
     return fn(**kwargs)

@@ -189,8 +189,7 @@ class Rank:
         port = None
         if self.rank == 0 and cfg.master_port is None:
             self.store, port = process_group.bind_store(cfg)
-        if not cfg.attached:
-            process_group.reuse_store_in_init(dist, self)
+        process_group.accept_script_calls(dist, self)
         self.device = process_group.pick_device(cfg, torch)
         self.ns = self._namespace(torch, dist)
         if cfg.threads is not None:
