@@ -203,3 +203,12 @@ def test_a_rank_lost_while_starting_is_a_lab_error_not_an_internal_one() -> None
         assert info.value.__cause__ is None and info.value.__suppress_context__
     finally:
         lab.stop()
+
+
+def test_a_call_abandoned_by_another_exception_still_stops_the_ranks() -> None:
+    channel = FakeChannel(RuntimeError("a test's timeout"))
+    launcher = FakeLauncher(channel)
+    run = CellRun(channel, launcher, 2, cell=3, targets=[0, 1], timeout=None)
+    with pytest.raises(RuntimeError, match="a test's timeout"):
+        run.run({"type": "exec", "id": 3, "code": "while True: pass"})
+    assert launcher.calls == ["interrupt [0, 1]"]
