@@ -11,17 +11,25 @@
   when it is torn down instead. At the end of the session, any descendant still running fails
   the run. The test process is a child subreaper (tests/processes.py), so an orphan whose
   parent died is still seen here rather than adopted by init.
+- Stop: the tests press it as a notebook does, with `_thread.interrupt_main()` (SIGINT to the
+  kernel, which ipykernel handles). That does nothing while SIGINT is ignored, as it is in a
+  test run started in the background by a non-interactive shell (`cmd &`, nohup), so the suite
+  handles SIGINT as Python does by default.
 """
 
 from __future__ import annotations
 
 import multiprocessing.resource_tracker
 import os
+import signal
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # so tests can import the harness modules
+
+if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # see "Stop" above
 
 from load import busy_cpus  # noqa: E402
 from processes import (  # noqa: E402
