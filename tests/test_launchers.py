@@ -4,6 +4,7 @@ that reports a stuck cell instead of repairing it, and the note a user reads aft
 from __future__ import annotations
 
 import shlex
+import threading
 import types
 
 import pytest
@@ -212,3 +213,20 @@ def test_a_call_abandoned_by_another_exception_still_stops_the_ranks() -> None:
     with pytest.raises(RuntimeError, match="a test's timeout"):
         run.run({"type": "exec", "id": 3, "code": "while True: pass"})
     assert launcher.calls == ["interrupt [0, 1]"]
+
+
+def test_output_sent_before_done_is_shown_even_when_it_arrives_late(tmp_path, capsys) -> None:
+    from labkit.kernel.channel import Channel
+    from labkit.wire.codec import Codec, new_key
+
+    channel = Channel(Codec(new_key()), str(tmp_path))
+    try:
+        line = {"rank": 0, "seq": 1, "name": "stdout", "text": "late line\n"}
+        timer = threading.Timer(2.5, channel._post, ("stream", line))  # a starved I/O thread
+        timer.start()
+        channel.catch_up_streams({0: {"stream_seq": 1}})
+        timer.cancel()
+        assert channel.output.of(0) == "late line\n"
+        assert "[rank 0] late line" in capsys.readouterr().out
+    finally:
+        channel.close()

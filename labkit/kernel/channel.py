@@ -42,6 +42,8 @@ from labkit.wire.codec import AuthenticationError, Codec
 from labkit.wire.logfile import log_path
 from labkit.wire.messages import Done, Interrupt, KernelToRank, Leave, Ping
 
+CATCH_UP_S = 10.0  # the longest wait for output lines a `done` says were sent before it
+
 
 class Stuck(Exception):
     """A wait that cannot end: the message says why (`died`: a rank whose death is the cause)."""
@@ -336,8 +338,12 @@ class Channel:
         return text
 
     def catch_up_streams(self, replies: dict[int, dict[str, Any]]) -> None:
-        """Output travels beside replies: wait (briefly) for every line sent before `done`."""
-        deadline = time.monotonic() + 2.0
+        """Output travels beside replies: wait for every line sent before `done`.
+
+        Only lines known to be on their way are waited for (a `done` names the last one), so
+        the bound, `CATCH_UP_S`, is reached only on a starved machine, never on a quiet one.
+        """
+        deadline = time.monotonic() + CATCH_UP_S
         while time.monotonic() < deadline:
             self.drain_events()
             if all(self._seen_seq.get(r, 0) >= m.get("stream_seq", 0) for r, m in replies.items()):
