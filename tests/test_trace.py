@@ -12,6 +12,7 @@ import torch
 
 import labkit
 from labkit.rank import trace_state
+from labkit.views.comm_view import op_summary
 from labkit.wire.records import CommRecord
 
 
@@ -44,6 +45,49 @@ fut.wait()
     assert all(r.group == (0, 1) and r.bytes == 1024 and r.end >= r.start for r in recs)
     assert [r.async_op for r in recs] == [False, True, True]
     assert recs[2].peer == 1 and recs[0].line == 3 and recs[0].reduce_op == "SUM"
+
+
+@pytest.mark.timeout(120)
+def test_single_ops_one_record_per_call_with_the_ring_factor(lab) -> None:
+    results = lab.run(
+        """
+import warnings
+mine, out = torch.arange(3.) + 10 * rank, torch.empty(6)
+dist.all_gather_single(out, mine)
+dist.all_gather_single(out, mine, async_op=True).wait()
+parts = torch.arange(8.) * (rank + 1)
+half = torch.empty(4)
+dist.reduce_scatter_single(half, parts)
+dist.reduce_scatter_single(half, parts, async_op=True).wait()
+with warnings.catch_warnings():  # the deprecated names call the ones above
+    warnings.simplefilter("ignore", FutureWarning)
+    dist.all_gather_into_tensor(out, mine, async_op=True).wait()
+    dist.reduce_scatter_tensor(half, parts, async_op=True).wait()
+    dist.all_gather_into_tensor(out, mine)
+    dist.reduce_scatter_tensor(half, parts)
+(out, half)
+"""
+    )
+    for rank in (0, 1):
+        out, half = results[rank].value
+        assert torch.equal(out, torch.cat([torch.arange(3.0), torch.arange(3.0) + 10]))
+        assert torch.equal(half, (torch.arange(8.0) * 3).chunk(2)[rank])
+    recs = _ops(lab)
+    ag, rs = ("all_gather_single", 24), ("reduce_scatter_single", 32)  # S: gathered, unsplit
+    assert [(r.op, r.bytes, r.async_op) for r in recs] == [
+        (*ag, False),
+        (*ag, True),
+        (*rs, False),
+        (*rs, True),
+        ("all_gather_into_tensor", 24, True),
+        ("reduce_scatter_tensor", 32, True),
+        ("all_gather_into_tensor", 24, False),
+        ("reduce_scatter_tensor", 32, False),
+    ]
+    assert [r.seq - recs[0].seq for r in recs] == list(range(8))
+    rows = {row["op"]: row for row in op_summary(lab.trace())}
+    for op in ("all_gather_single", "reduce_scatter_single", "reduce_scatter_tensor"):
+        assert rows[op]["busbw"] == pytest.approx(rows[op]["algbw"] / 2), op  # (p-1)/p, p = 2
 
 
 @pytest.mark.timeout(120)
@@ -135,7 +179,7 @@ s = funcol.all_reduce(torch.ones(4) * (rank + 1), "sum", mesh)
     assert torch.equal(full, torch.arange(8.0)) and torch.equal(summed, torch.full((4,), 3.0))
     assert patched
     recs = _ops(lab)
-    gathers = [r for r in recs if r.op == "all_gather_into_tensor"]
+    gathers = [r for r in recs if r.op == "all_gather_single"]  # dist's name for the same op
     reduces = [r for r in recs if r.op == "all_reduce"]
     assert len(gathers) == 1 and gathers[0].bytes == 8 * 4 and gathers[0].group == (0, 1)
     assert len(reduces) == 1 and reduces[0].reduce_op == "SUM" and reduces[0].async_op

@@ -6,6 +6,8 @@ import pytest
 from test_views_fakes import FakeLab
 
 from labkit.views import algbw, busbw, busbw_factor, op_summary, show_comm, traffic_matrix
+from labkit.views._common import op_colour
+from labkit.views.bandwidth import canonical_op
 from labkit.wire.records import CommRecord
 
 pytestmark = pytest.mark.filterwarnings("error::labkit.views.ViewWarning")
@@ -39,6 +41,21 @@ def test_busbw_factors_match_nccl_tests() -> None:
         busbw_factor("all_reduce", 0)
     assert algbw(1e9, 0.5) == 2e9 and algbw(10, 0) == 0.0
     assert busbw("all_reduce", 1e9, 1.0, 2) == pytest.approx(1e9)
+
+
+def test_single_ops_of_torch_2_13_get_the_ring_factor() -> None:
+    # dist.all_gather_single / reduce_scatter_single (and what DTensor's functional collectives
+    # are recorded as) move (n-1)/n of S per rank, like all_gather / reduce_scatter
+    for op, like in (("all_gather_single", "all_gather"),
+                     ("reduce_scatter_single", "reduce_scatter")):  # fmt: skip
+        assert canonical_op(op) == like
+        assert busbw_factor(op, 4) == pytest.approx(0.75), op
+        assert op_colour(op) == op_colour(like)
+        recs = [_rec(r, op, 1, 600, 0.1 * (r + 1)) for r in G]
+        assert traffic_matrix(recs) == [[0, 400, 0], [0, 0, 400], [400, 0, 0]], op
+        (row,) = op_summary(recs)
+        assert row["algbw"] == pytest.approx(600 / 0.3)
+        assert row["busbw"] == pytest.approx(600 / 0.3 * 2 / 3), op
 
 
 def test_traffic_matrix_for_hand_made_records() -> None:

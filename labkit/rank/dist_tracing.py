@@ -6,6 +6,11 @@ checks identity) and `batch_isend_irecv` (which calls each op's function) all re
 wrapper; a batch leaves one `isend`/`irecv` record per op, as torch.distributed.pipelining
 issues them. Async calls (`async_op=True`, `isend`, `irecv`) complete when their work's
 `wait()` returns or its future completes (`TracedWork`).
+
+Each call is recorded under the name the user called, torch 2.13's `all_gather_single` /
+`reduce_scatter_single` as well as their deprecated forms `all_gather_into_tensor` /
+`reduce_scatter_tensor` (which call the new ones: one call, one record);
+`labkit.views.bandwidth.canonical_op` folds them into `all_gather` / `reduce_scatter`.
 """
 
 from __future__ import annotations
@@ -39,11 +44,11 @@ OPS: dict[str, tuple[str | None, str | None]] = {
     "reduce": ("tensor", "dst"),
     "all_reduce": ("tensor", None),
     "all_gather": ("tensor_list", None),  # bytes: the whole gathered buffer, as nccl-tests
-    "all_gather_into_tensor": ("output_tensor", None),
     "all_gather_single": ("output_tensor", None),  # torch 2.13's name; FSDP2 calls it
-    "reduce_scatter": ("input_list", None),
-    "reduce_scatter_tensor": ("input", None),
-    "reduce_scatter_single": ("input", None),
+    "all_gather_into_tensor": ("output_tensor", None),  # deprecated in 2.13 for the above
+    "reduce_scatter": ("input_list", None),  # bytes: the whole unsplit input, as nccl-tests
+    "reduce_scatter_single": ("input", None),  # torch 2.13's name
+    "reduce_scatter_tensor": ("input", None),  # deprecated in 2.13 for the above
     "all_to_all": ("input_tensor_list", None),
     "all_to_all_single": ("input", None),
     "barrier": (None, None),
@@ -88,7 +93,15 @@ def _wrap(op: str, fn: Any) -> Any:
             STATE.batch.append(rec)
         event = cuda_event(tensors)
         if rec.async_op:
-            work = fn(*args, **kwargs)
+            # a deprecated name calls its successor (all_gather_into_tensor ->
+            # all_gather_single): while the call is issued, nested traced calls stay unrecorded
+            if main:
+                STATE.inside = True
+            try:
+                work = fn(*args, **kwargs)
+            finally:
+                if main:
+                    STATE.inside = False
             rec.end = time.time()  # issued; completion moves it later
             return _complete_on_wait(work, [rec], event)
         if main:

@@ -4,6 +4,10 @@
 `all_to_all_single`, ... are wrapped when that module is imported (it costs 65 ms, so it is
 not imported for you: `install()` adds an import hook instead), and an op completes when
 `wait_tensor` is called on its result.
+
+Records carry the names `torch.distributed` gives the same op in torch 2.13 (`all_gather_single`,
+`reduce_scatter_single`, ...), so a DTensor's gather and a plain `dist.all_gather_single` read
+alike in the views; the bytes are nccl-tests' S (the gathered output, the unsplit input).
 """
 
 from __future__ import annotations
@@ -31,12 +35,12 @@ FUNCOL_OPS: dict[str, tuple[str, bool]] = {
     "broadcast": ("broadcast", False),
     "all_reduce": ("all_reduce", False),
     "all_reduce_coalesced": ("all_reduce_coalesced", False),
-    "all_gather_single": ("all_gather_into_tensor", True),
-    "all_gather_single_autograd": ("all_gather_into_tensor", True),
-    "all_gather_single_coalesced": ("all_gather_into_tensor", True),
-    "reduce_scatter_single": ("reduce_scatter_tensor", False),
-    "reduce_scatter_single_autograd": ("reduce_scatter_tensor", False),
-    "reduce_scatter_single_coalesced": ("reduce_scatter_tensor", False),
+    "all_gather_single": ("all_gather_single", True),
+    "all_gather_single_autograd": ("all_gather_single", True),
+    "all_gather_single_coalesced": ("all_gather_single", True),
+    "reduce_scatter_single": ("reduce_scatter_single", False),
+    "reduce_scatter_single_autograd": ("reduce_scatter_single", False),
+    "reduce_scatter_single_coalesced": ("reduce_scatter_single", False),
     "all_to_all_single": ("all_to_all_single", False),
     "all_to_all_single_autograd": ("all_to_all_single", False),
 }

@@ -15,11 +15,13 @@ __all__ = ["algbw", "busbw", "busbw_factor", "canonical_op"]
 _ALIASES = {
     "allreduce": "all_reduce",
     "all_reduce_coalesced": "all_reduce",
-    "all_gather_into_tensor": "all_gather",
+    "all_gather_single": "all_gather",  # torch 2.13's name
+    "all_gather_into_tensor": "all_gather",  # its deprecated form
     "_all_gather_base": "all_gather",
     "allgather": "all_gather",
     "all_gather_object": "all_gather",
-    "reduce_scatter_tensor": "reduce_scatter",
+    "reduce_scatter_single": "reduce_scatter",  # torch 2.13's name
+    "reduce_scatter_tensor": "reduce_scatter",  # its deprecated form
     "_reduce_scatter_base": "reduce_scatter",
     "reducescatter": "reduce_scatter",
     "all_to_all_single": "all_to_all",
@@ -33,7 +35,7 @@ _ONE = {"broadcast", "reduce", "send", "recv", "gather", "scatter"}
 
 
 def canonical_op(op: str) -> str:
-    """The op name with tracer aliases folded ("all_gather_into_tensor" -> "all_gather")."""
+    """The op name with tracer aliases folded ("all_gather_single" -> "all_gather")."""
     return _ALIASES.get(op, op)
 
 
