@@ -8,6 +8,8 @@ script would. `pick_device` is the one place a rank's device is decided.
 
 `accept_script_calls` lets code written for torchrun call `init_process_group` and
 `destroy_process_group` in a cell or a script while the lab keeps its group for the next cell.
+`rpc.init_rpc` needs nothing of its own: its env:// rendezvous joins rank 0's store (see
+`set_torchrun_environment`), beside the lab's group, and `rpc.shutdown()` leaves that group up.
 
 This module never imports IPython, ipywidgets or plotly.
 """
@@ -44,11 +46,16 @@ def set_torchrun_environment(cfg: RankConfig) -> None:
             "TORCHELASTIC_RUN_ID": "labkit",
             "TORCHELASTIC_RESTART_COUNT": "0",
             "TORCHELASTIC_MAX_RESTARTS": "0",
+            # MASTER_PORT is rank 0's store, which the lab keeps open as torchrun's agent keeps
+            # its own: an env:// rendezvous in a cell (rpc.init_rpc makes one) joins it as a
+            # client, as a torchrun worker does, instead of trying to bind the port again
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
         }
     )
-    # one machine: gloo and NCCL listen on loopback only, unless the user chose
+    # one machine: gloo, NCCL and RPC (TensorPipe) listen on loopback only, unless the user chose
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("TP_SOCKET_IFNAME", "lo")
 
 
 def bind_store(cfg: RankConfig) -> tuple[Any, int]:

@@ -37,6 +37,7 @@ import socket
 import sys
 import threading
 import time
+import types
 from typing import Any
 
 import zmq
@@ -211,19 +212,22 @@ class Rank:
         import torch.nn as nn
         import torch.nn.functional as F
 
+        # the namespace is the module `__main__`, as a script's is: what a cell defines pickles
+        # by reference (an RPC to a function or class from a cell finds it on the callee)
+        main = sys.modules["__main__"] = types.ModuleType("__main__")
         cfg = self.cfg
-        return {
-            "__name__": "__main__",
-            "__builtins__": __builtins__,
-            "rank": self.rank,
-            "world_size": cfg.world_size,
-            "local_rank": cfg.local_rank,
-            "device": self.device,
-            "torch": torch,
-            "dist": dist,
-            "nn": nn,
-            "F": F,
-        }
+        main.__dict__.update(
+            __builtins__=__builtins__,
+            rank=self.rank,
+            world_size=cfg.world_size,
+            local_rank=cfg.local_rank,
+            device=self.device,
+            torch=torch,
+            dist=dist,
+            nn=nn,
+            F=F,
+        )
+        return main.__dict__
 
     def init_group(self, msg: Init) -> None:
         t0 = time.time()
