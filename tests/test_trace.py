@@ -162,6 +162,32 @@ def test_ddp_buckets_are_traced_and_grads_unchanged(lab) -> None:
     assert all(torch.equal(a, b) for a, b in zip(traced[0].value, traced[1].value, strict=True))
 
 
+JOIN_CELL = """
+from torch.distributed.algorithms.join import Join
+from torch.nn.parallel import DistributedDataParallel as DDP
+torch.manual_seed(0)
+ddp = DDP(nn.Linear(4, 2))
+opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+torch.manual_seed(1 + rank)
+with Join([ddp]):
+    for _ in range(2 + rank):  # rank 1 runs one step more
+        opt.zero_grad()
+        ddp(torch.randn(3, 4)).sum().backward()
+        opt.step()
+[p.detach().clone() for p in ddp.parameters()]
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ddp_under_join_with_uneven_steps(lab) -> None:
+    # the reducer takes the Work of Join's per-forward all_reduce: it must be torch's own
+    res = lab.run(JOIN_CELL)
+    res.raise_for_errors()
+    assert all(torch.equal(a, b) for a, b in zip(res[0].value, res[1].value, strict=True))
+    recs = _ops(lab, rank=1)
+    assert recs and all(r.end >= r.start for r in recs)
+
+
 @pytest.mark.timeout(180)
 def test_dtensor_functional_collectives_are_traced(lab) -> None:
     results = lab.run(

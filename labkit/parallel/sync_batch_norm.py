@@ -43,7 +43,8 @@ def sync_batch_norm(
 ) -> torch.Tensor:
     """Batch norm of x (N_r, C) with the mean and variance of the global batch (training mode).
 
-    Runs on every rank; every rank must call it (three all_reduces forward, three backward).
+    Runs on every rank; every rank must call it (three all_reduces forward; two backward, as the
+    count carries no gradient).
     mean = sum_r sum_i x / N, var = sum_r sum_i (x - mean)^2 / N (biased, as BatchNorm uses to
     normalise), N = sum_r N_r. Equals torch.nn.BatchNorm1d on the concatenated batch in one
     process, gradients included (the all_reduces are differentiable). What nn.SyncBatchNorm

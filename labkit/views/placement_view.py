@@ -134,7 +134,8 @@ def memory_figure(memory: dict[int, dict[str, Any]], devices: Mapping[int, str])
     )
     fig.update_layout(
         barmode="stack",
-        title=title("bytes per rank: measured (bars) and predicted (diamond)", 360),
+        # the bars add up numel x element size of each tensor, not what the allocator holds
+        title=title("bytes per rank: numel x element size (bars), predicted (diamond)", 360),
         yaxis_title="bytes",
         height=360,
         margin={"l": 60, "r": 10, "t": 50, "b": 40},
