@@ -112,11 +112,6 @@ def comm_ops(lab: Any) -> dict[int, list[str]]:
     return ops
 
 
-def silent_ranks(lab: Any) -> list[int]:
-    """Ranks that called no collective and no send/recv in the last cell (kernel side)."""
-    return [r for r, ops in sorted(comm_ops(lab).items()) if not ops]
-
-
 # ops after which a rank holds something the others sent it
 _DELIVERING = {
     "broadcast",

@@ -3,7 +3,10 @@
 Checkers that take a function run it on every rank with `lab.run(fn)` (the function gets the
 rank's namespace entries it names, e.g. `rank`, `world_size`) and compare what each rank returns
 with a reference computed here. A cell the lab had to stop (a deadlock, a hang) counts as wrong,
-with the lab's diagnosis as the reason; the ranks are then fresh.
+with the lab's diagnosis as the reason; the ranks are then fresh. Right numbers are not
+enough: the trace must show the communication the exercise asks for (a collective on a
+group, send/recv, reduce_scatter + all_gather), and every rank must have created as many
+numbered groups (new_group is called by every rank).
 """
 
 from __future__ import annotations
@@ -42,9 +45,12 @@ def _counting_groups(fn: Callable[..., Any]) -> Callable[..., Any]:
     def task(**names: Any) -> dict[str, Any]:
         from torch.distributed import distributed_c10d
 
-        before = getattr(distributed_c10d._world, "group_count", 0)
+        before = getattr(distributed_c10d._world, "group_count", 0)  # private: may go away
         value = fn(**names)
-        return {"value": value, "groups": distributed_c10d._world.group_count - before}
+        return {
+            "value": value,
+            "groups": getattr(distributed_c10d._world, "group_count", 0) - before,
+        }
 
     task.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
     return task
