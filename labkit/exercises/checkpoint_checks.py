@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from labkit.exercises import Verdict, rank_error, reveal, right, wrong
+from labkit.exercises import Verdict, reveal, right, run_on_ranks, wrong
 
 SLOW_DISK = 1.0  # seconds the checker's torch.save takes on rank 0, as a slow disk would
 
@@ -22,7 +22,8 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
     and every rank must then load it, with a `map_location`, so that all ranks end with rank
     0's weights, bit for bit. Every rank starts from different weights, `path` does not exist
     yet, and rank 0's `torch.save` is slowed down by 1 s (a slow disk): a rank that reads
-    before the writer has finished fails."""
+    before the writer has finished fails, and so does a rank other than 0 that writes. Rank 0
+    may skip its own load (it holds the weights it saved)."""
     import os
     import shutil
     import tempfile
@@ -35,10 +36,12 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
         from labkit.parallel.data_parallel import make_mlp
 
         model = make_mlp(seed=200 + rank)
-        save, load, locations = torch.save, torch.load, []
+        save, load, locations, saves = torch.save, torch.load, [], []
 
         def slow_save(*args: Any, **kwargs: Any) -> Any:
-            time.sleep(SLOW_DISK)
+            saves.append(1)
+            if rank == 0:
+                time.sleep(SLOW_DISK)
             return save(*args, **kwargs)
 
         def recording_load(*args: Any, **kwargs: Any) -> Any:
@@ -55,15 +58,25 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
             torch.save, torch.load = save, load
         weights = [p.detach().clone() for p in model.parameters()]
         torch.distributed.barrier()  # the checker's own: every rank is done with the file
-        return {"weights": weights, "map_locations": [str(x) for x in locations], "error": error}
+        return {
+            "weights": weights,
+            "map_locations": [str(x) for x in locations],
+            "saves": len(saves),
+            "error": error,
+        }
 
     try:
-        results = lab.run(task)
+        results, bad = run_on_ranks(lab, task)
     finally:
         shutil.rmtree(os.path.dirname(path), ignore_errors=True)
-    if (bad := rank_error(results)) is not None:
+    if bad is not None:
         return bad
-    for r, out in sorted(results.values_by_rank.items()):
+    outs = results.values_by_rank
+    if not outs[0]["saves"]:
+        return wrong("rank 0 never called torch.save")
+    if writers := [r for r, out in sorted(outs.items()) if r != 0 and out["saves"]]:
+        return wrong(f"ranks {writers} called torch.save too: only rank 0 writes the file")
+    for r, out in sorted(outs.items()):
         if out["error"] is not None:
             hint = ""
             if "No such file" in out["error"] or "FileNotFound" in out["error"]:
@@ -72,10 +85,10 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
     from labkit.parallel.data_parallel import make_mlp
 
     expected = [p.detach() for p in make_mlp(seed=200).parameters()]
-    for r, out in sorted(results.values_by_rank.items()):
+    for r, out in sorted(outs.items()):
         if not all(torch.equal(a, b) for a, b in zip(out["weights"], expected)):
             return wrong(f"rank {r} does not hold rank 0's weights after loading")
-        if not out["map_locations"]:
+        if not out["map_locations"] and r != 0:  # rank 0 may keep the weights it saved
             return wrong(f"rank {r} never called torch.load")
         if "None" in out["map_locations"]:
             return wrong(

@@ -3,7 +3,10 @@
 Checkers that take a function run it on every rank with `lab.run(fn)` (the function gets the
 rank's namespace entries it names, e.g. `rank`, `world_size`) and compare what each rank returns
 with a reference computed here. A cell the lab had to stop (a deadlock, a hang) counts as wrong,
-with the lab's diagnosis as the reason; the ranks are then fresh.
+with the lab's diagnosis as the reason; the ranks are then fresh. Right numbers are not
+enough: the trace must show the communication the exercise asks for (a collective on a
+group, send/recv, reduce_scatter + all_gather), and every rank must have created as many
+numbered groups (new_group is called by every rank).
 """
 
 from __future__ import annotations
@@ -13,8 +16,9 @@ from typing import Any
 
 import torch
 
-from labkit.exercises import Verdict, reveal, right, wrong
-from labkit.kernel.results import LabError
+from labkit.exercises import Verdict, comm_ops, reveal, right, run_on_ranks, wrong
+
+P2P = {"send", "recv", "batch_isend_irecv"}  # after OP_FAMILY folded isend/irecv
 
 __all__ = [
     "check_all_reduce_by_parts",
@@ -32,31 +36,80 @@ __all__ = [
 ]
 
 
+def _counting_groups(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """`fn` wrapped to run on a rank: it returns {"value": fn's value, "groups": how many
+    numbered groups fn created there (new_group without use_local_synchronization)}. It takes
+    the same namespace names as fn (lab.run reads the signature)."""
+    import inspect
+
+    def task(**names: Any) -> dict[str, Any]:
+        from torch.distributed import distributed_c10d
+
+        before = getattr(distributed_c10d._world, "group_count", 0)  # private: may go away
+        value = fn(**names)
+        return {
+            "value": value,
+            "groups": getattr(distributed_c10d._world, "group_count", 0) - before,
+        }
+
+    task.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+    return task
+
+
 def _run_and_compare(lab: Any, fn: Callable[..., Any], expected: dict[int, Any]) -> Verdict:
-    """Run fn on every rank; right when each rank returns a tensor equal to expected[rank]."""
-    try:
-        results = lab.run(fn)
-    except LabError as err:
-        return wrong(f"the cell could not finish: {str(err).splitlines()[0]}")
-    if results.errors:
-        r = min(results.errors)
-        return wrong(f"rank {r} raised {results.errors[r]['type']}: {results.errors[r]['message']}")
-    for r, value in sorted(results.values_by_rank.items()):
-        want = expected[r]
+    """Run fn on every rank; right when each rank returns a tensor equal to expected[rank] and
+    every rank created as many numbered groups (new_group must be called on every rank)."""
+    results, bad = run_on_ranks(lab, _counting_groups(fn))
+    if bad is not None:
+        return bad
+    out = results.values_by_rank
+    for r, got in sorted(out.items()):
+        want, value = expected[r], got["value"]
         if not isinstance(value, torch.Tensor):
             return wrong(f"rank {r} returned {type(value).__name__}, expected a tensor")
-        if value.shape != want.shape or not torch.allclose(value.float(), want.float()):
+        if value.shape != want.shape or not torch.allclose(value.float().cpu(), want.float()):
             return wrong(f"rank {r} returned {value.tolist()}, expected {want.tolist()}")
+    counts = {r: got["groups"] for r, got in out.items()}
+    if len(set(counts.values())) > 1:
+        return wrong(
+            f"new_group calls per rank: {counts}. Every rank must call new_group for every "
+            "group, in the same order, even for a group it is not in (or pass "
+            "use_local_synchronization=True): otherwise the next group gets mismatched names"
+        )
     return right(f"all {len(expected)} ranks hold the expected tensors")
+
+
+def _no_comm(lab: Any, ranks: Any) -> Verdict | None:
+    """A wrong verdict when one of `ranks` called no collective and no send/recv."""
+    quiet = [r for r, ops in sorted(comm_ops(lab).items()) if r in ranks and not ops]
+    if quiet:
+        return wrong(
+            f"right numbers, but rank(s) {quiet} called no collective and no send/recv: "
+            "they computed the answer instead of receiving it"
+        )
+    return None
 
 
 # -- 10: subgroups ----------------------------------------------------------------------------
 def check_even_odd_sums(lab: Any, fn: Callable[..., Any]) -> Verdict:
     """`fn(rank, world_size)` returns `torch.tensor([float(rank)])` summed over the ranks of the
-    same parity (even ranks with even ranks, odd with odd)."""
+    same parity (even ranks with even ranks, odd with odd), with a collective on a group of
+    one parity (not on the whole world)."""
     n = lab.world_size
     expected = {r: torch.tensor([float(sum(q for q in range(r % 2, n, 2)))]) for r in range(n)}
-    return _run_and_compare(lab, fn, expected)
+    verdict = _run_and_compare(lab, fn, expected)
+    if not verdict or n < 3:
+        return verdict
+    if (quiet := _no_comm(lab, range(n))) is not None:
+        return quiet
+    world = tuple(range(n))
+    on_world = sorted({rec.op for rec in lab.trace() if rec.kind == "comm" and rec.group == world})
+    if on_world:
+        return wrong(
+            f"right numbers, but {on_world} ran on the whole world: make one group per parity "
+            "and reduce within it"
+        )
+    return right(f"each parity summed in its own group on all {n} ranks")
 
 
 def solution_even_odd_sums() -> Any:
@@ -77,7 +130,15 @@ def check_pair_swap(lab: Any, fn: Callable[..., Any]) -> Verdict:
     n = lab.world_size
     if n % 2:
         return wrong(f"this exercise needs an even number of ranks, the lab has {n}")
-    return _run_and_compare(lab, fn, {r: torch.full((4,), float(r ^ 1)) for r in range(n)})
+    verdict = _run_and_compare(lab, fn, {r: torch.full((4,), float(r ^ 1)) for r in range(n)})
+    if not verdict:
+        return verdict
+    if (quiet := _no_comm(lab, range(n))) is not None:
+        return quiet
+    other = {op for ops in comm_ops(lab).values() for op in ops} - P2P
+    if other:
+        return wrong(f"right numbers, but through {sorted(other)}: swap with send and recv")
+    return right(f"every pair swapped its tensors, point to point, on all {n} ranks")
 
 
 def solution_pair_swap() -> Any:
@@ -109,14 +170,11 @@ def check_all_reduce_by_parts(lab: Any, fn: Callable[..., Any]) -> Verdict:
     verdict = _run_and_compare(lab, fn, {r: total for r in range(n)})
     if not verdict:
         return verdict
-    ops = {rec.op for rec in lab.trace()}
-    if "all_reduce" in ops:
-        return wrong("right numbers, but it called all_reduce: build it from the two halves")
-    if not ops & {"reduce_scatter", "reduce_scatter_tensor"} or not ops & {
-        "all_gather",
-        "all_gather_into_tensor",
-    }:
-        return wrong(f"right numbers, but it called {sorted(ops)}, not reduce_scatter+all_gather")
+    for r, ops in sorted(comm_ops(lab).items()):
+        if "all_reduce" in ops:
+            return wrong("right numbers, but it called all_reduce: build it from the two halves")
+        if not {"reduce_scatter", "all_gather"} <= set(ops):
+            return wrong(f"right numbers, but rank {r} called {ops}, not reduce_scatter+all_gather")
     return right("reduce_scatter then all_gather equals all_reduce on every rank")
 
 
@@ -192,7 +250,18 @@ def check_pair_sum(lab: Any, fn: Callable[..., Any]) -> Verdict:
     if n < 3:
         return wrong(f"this exercise needs at least 3 ranks, the lab has {n}")
     expected = {r: torch.tensor([4.0 if r in (0, 2) else r + 1.0]) for r in range(n)}
-    return _run_and_compare(lab, fn, expected)
+    verdict = _run_and_compare(lab, fn, expected)
+    if not verdict:
+        return verdict
+    if (quiet := _no_comm(lab, (0, 2))) is not None:
+        return quiet
+    for rec in lab.trace():
+        if rec.kind == "comm" and rec.op not in P2P | {"isend", "irecv"} and rec.group != (0, 2):
+            return wrong(
+                f"right numbers, but rank {rec.rank} ran {rec.op} on ranks {list(rec.group)}: "
+                "a collective of ranks 0 and 2 runs on a group of just those two"
+            )
+    return right("ranks 0 and 2 summed in their own group; ranks 1 and 3 kept theirs")
 
 
 def solution_pair_sum() -> Any:

@@ -14,10 +14,11 @@ from typing import Any
 
 import torch
 
-from labkit.exercises import Verdict, rank_error, reveal, right, wrong
+from labkit.exercises import Verdict, reveal, right, run_on_ranks, wrong
 
 GLOBAL_BATCH = 128  # rows 0..127 of the digits: equal shards for 1, 2, 4 or 8 ranks
 TOL = 1e-6
+MAX_NORMS = (0.05, 1000.0)  # below the test gradient's norm (clips), above it (does not)
 
 
 def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
@@ -44,21 +45,34 @@ def check_average_gradients(lab: Any, fn: Callable[[Any], None]) -> Verdict:
         fn(model)
         return [p.grad.clone() for p in model.parameters()]
 
-    results = lab.run(task)
-    if (bad := rank_error(results)) is not None:
+    results, bad = run_on_ranks(lab, task)
+    if bad is not None:
         return bad
     from labkit.parallel.data_parallel import make_mlp
     from labkit.parallel.datasets import load_digits
 
     X, y = load_digits()
-    ref = make_mlp(seed=0)
-    torch.nn.functional.cross_entropy(ref(X[:GLOBAL_BATCH]), y[:GLOBAL_BATCH]).backward()
-    expected = [p.grad for p in ref.parameters()]
+    n = lab.world_size
+
+    def grads_of(idx: torch.Tensor) -> list[torch.Tensor]:
+        ref = make_mlp(seed=0)
+        torch.nn.functional.cross_entropy(ref(X[idx]), y[idx]).backward()
+        return [p.grad for p in ref.parameters()]
+
+    expected = grads_of(torch.arange(GLOBAL_BATCH))
     grads = results.values_by_rank
     for r, g in sorted(grads.items()):
+        if not all(torch.is_tensor(x) and x.shape == e.shape for x, e in zip(g, expected)):
+            return wrong(f"rank {r}: some p.grad is missing or has the wrong shape")
         diff = _max_diff(g, expected)
         if not diff < TOL:
-            hint = " (summed but not divided by world_size?)" if diff > 0.1 else ""
+            hint = ""
+            if _max_diff(g, [n * e for e in expected]) < TOL * n:
+                hint = f": it is {n} x the mean (summed, not divided by world_size)"
+            elif _max_diff(g, grads_of(torch.arange(GLOBAL_BATCH)[r::n])) < TOL:
+                hint = ": it is still this rank's own gradient (not reduced)"
+            elif _max_diff(g, [e / n for e in grads_of(torch.arange(GLOBAL_BATCH)[r::n])]) < TOL:
+                hint = ": it is this rank's gradient / world_size (divided, never summed)"
             return wrong(f"rank {r}'s gradient differs from the whole batch's by {diff:.3g}{hint}")
     if any(not all(torch.equal(a, b) for a, b in zip(g, grads[0])) for g in grads.values()):
         return wrong("the ranks' gradients are close but not bit-identical")
@@ -97,12 +111,12 @@ def check_max_replica_diff(lab: Any, fn: Callable[[Any], Any]) -> Verdict:
             out.extend([got, replica_report(model)["max_abs_diff"]])
         return out
 
-    results = lab.run(task)
-    if (bad := rank_error(results)) is not None:
+    results, bad = run_on_ranks(lab, task)
+    if bad is not None:
         return bad
     cases = ("identical replicas", "one rank's bias moved by 0.5", "replicas from different seeds")
-    for r, vals in sorted(results.values_by_rank.items()):
-        for i, case in enumerate(cases):
+    for i, case in enumerate(cases):  # the simplest case that fails is named
+        for r, vals in sorted(results.values_by_rank.items()):
             got, expected = vals[2 * i], vals[2 * i + 1]
             if abs(got - expected) > TOL:
                 return wrong(f"{case}: rank {r} returned {got:.6g}, expected {expected:.6g}")
@@ -134,15 +148,25 @@ def check_broadcast_parameters(lab: Any, fn: Callable[[Any], None]) -> Verdict:
         fn(model)
         return [p.detach().clone() for p in model.parameters()]
 
-    results = lab.run(task)
-    if (bad := rank_error(results)) is not None:
+    results, bad = run_on_ranks(lab, task)
+    if bad is not None:
         return bad
     from labkit.parallel.data_parallel import make_mlp
 
-    expected = [p.detach() for p in make_mlp(seed=100).parameters()]
+    initial = [
+        [p.detach() for p in make_mlp(seed=100 + k).parameters()] for k in range(lab.world_size)
+    ]
     for r, params in sorted(results.values_by_rank.items()):
-        if not all(torch.equal(a, b) for a, b in zip(params, expected)):
-            return wrong(f"rank {r}'s parameters are not rank 0's initial ones")
+        same = [
+            k for k, ps in enumerate(initial) if all(torch.equal(a, b) for a, b in zip(params, ps))
+        ]
+        if same == [0]:
+            continue
+        if same == [r]:
+            return wrong(f"rank {r} still holds its own initial weights")
+        if same:
+            return wrong(f"rank {r} holds rank {same[0]}'s initial weights: broadcast from rank 0")
+        return wrong(f"rank {r}'s parameters are not rank 0's initial ones (a mix, or averaged?)")
     return right("every rank now holds rank 0's weights, bit for bit")
 
 
@@ -161,43 +185,58 @@ def broadcast_parameters(model):
 def check_clip_global(lab: Any, fn: Callable[[list[Any], float], Any]) -> Verdict:
     """`fn(params, max_norm)` runs on every rank; rank r holds the gradients of parameter
     tensors r, r + W, ... only (a disjoint piece, as in ZeRO-2 or FSDP). Together the clipped
-    pieces must equal torch.nn.utils.clip_grad_norm_ on the whole gradient in one process."""
-    max_norm = 0.05
+    pieces must equal torch.nn.utils.clip_grad_norm_ on the whole gradient in one process.
+    It runs twice: with max_norm 0.05 (below the gradient's norm: it clips) and 1000 (above
+    it: the gradients must stay as they are)."""
 
-    def task(rank: int, world_size: int) -> dict[int, torch.Tensor]:
+    def task(rank: int, world_size: int) -> list[dict[int, torch.Tensor]]:
         import torch.nn.functional as F
 
         from labkit.parallel.data_parallel import make_mlp
         from labkit.parallel.datasets import load_digits
 
         X, y = load_digits()
-        model = make_mlp(seed=1)
-        F.cross_entropy(model(X[:GLOBAL_BATCH]), y[:GLOBAL_BATCH]).backward()
-        params = list(model.parameters())
-        mine = [p for i, p in enumerate(params) if i % world_size == rank]
-        fn(mine, max_norm)
-        return {i: p.grad.clone() for i, p in enumerate(params) if i % world_size == rank}
+        out = []
+        for max_norm in MAX_NORMS:
+            model = make_mlp(seed=1)
+            F.cross_entropy(model(X[:GLOBAL_BATCH]), y[:GLOBAL_BATCH]).backward()
+            params = list(model.parameters())
+            mine = [p for i, p in enumerate(params) if i % world_size == rank]
+            fn(mine, max_norm)
+            out.append({i: p.grad.clone() for i, p in enumerate(params) if i % world_size == rank})
+        return out
 
-    results = lab.run(task)
-    if (bad := rank_error(results)) is not None:
+    results, bad = run_on_ranks(lab, task)
+    if bad is not None:
         return bad
     from labkit.parallel.data_parallel import make_mlp
     from labkit.parallel.datasets import load_digits
 
     X, y = load_digits()
-    ref = make_mlp(seed=1)
-    torch.nn.functional.cross_entropy(ref(X[:GLOBAL_BATCH]), y[:GLOBAL_BATCH]).backward()
-    torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm)
-    expected = [p.grad for p in ref.parameters()]
-    for r, pieces in sorted(results.values_by_rank.items()):
-        for i, g in pieces.items():
-            diff = (g - expected[i]).abs().max().item()
-            if not diff < TOL:
-                return wrong(
-                    f"rank {r}'s piece {i} differs from one-process clipping by {diff:.3g} "
-                    "(not clipped, or clipped by a local norm?)"
-                )
-    return right("the clipped pieces equal clip_grad_norm_ on the whole gradient")
+    for k, max_norm in enumerate(MAX_NORMS):
+        ref = make_mlp(seed=1)
+        torch.nn.functional.cross_entropy(ref(X[:GLOBAL_BATCH]), y[:GLOBAL_BATCH]).backward()
+        norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), max_norm))
+        expected = [p.grad for p in ref.parameters()]
+        for r, out in sorted(results.values_by_rank.items()):
+            for i, g in out[k].items():
+                diff = (g - expected[i]).abs().max().item()
+                if not diff < TOL:
+                    why = (
+                        "not clipped, or by a local norm?"
+                        if norm > max_norm
+                        else (
+                            "the norm is below max_norm: nothing may change, the coefficient "
+                            "is capped at 1"
+                        )
+                    )
+                    return wrong(
+                        f"max_norm={max_norm:g} (the gradient's norm is {norm:.3g}): rank {r}'s "
+                        f"piece {i} differs from one-process clipping by {diff:.3g} ({why})"
+                    )
+    return right(
+        "the clipped pieces equal clip_grad_norm_ on the whole gradient, with and without clipping"
+    )
 
 
 def solution_clip_global() -> Any:

@@ -11,7 +11,7 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from labkit.exercises import Verdict, reveal, right, wrong
+from labkit.exercises import Verdict, comm_ops, reveal, right, run_on_ranks, wrong
 from labkit.parallel.auto_split import LayerCost, partition_optimal
 from labkit.parallel.pipeline_parallel import stage_order
 
@@ -78,7 +78,7 @@ def check_one_f_one_b(fn: Callable[[int, int, int], Any]) -> Verdict:
             for s in range(p):
                 want = stage_order(p, m, s, "1f1b")
                 try:
-                    got = [(str(k), int(j)) for k, j in fn(p, m, s)]
+                    got = [(str(k).upper(), int(j)) for k, j in fn(p, m, s)]
                 except Exception as exc:  # noqa: BLE001
                     return _raised(exc)
                 if got != want:
@@ -100,34 +100,107 @@ def one_f_one_b(num_stages, num_microbatches, stage):
 # ------------------------------------------------------------------ 32: a row-parallel linear
 
 
-def check_row_parallel(lab: Any, fn: Callable[..., Any]) -> Verdict:
-    """`fn(x, weight, bias, rank, world_size)` runs on every rank with the full x [8, 16] and
-    the dense weight [12, 16]; it must compute with its slice of the input features only and
-    return the full output F.linear(x, weight, bias), using exactly one all_reduce."""
+def _row_inputs_factory() -> Callable[[int, int, bool], tuple[Any, Any, Any]]:
+    """The function giving x, weight, bias to a rank, made here so that it is pickled by value
+    (a rank does not import this kernel-side module)."""
 
-    def task(rank: int, world_size: int) -> float:
+    def _row_inputs(rank: int, world_size: int, poisoned: bool) -> tuple[Any, Any, Any]:
+        """x [8, 16], weight [12, 16], bias [12] as rank `rank` gets them (runs on a rank and in
+        the kernel). Poisoned: the input features outside the rank's shard, in x and in the
+        weight's columns, are replaced by noise of that rank's own, as if they were not there."""
         import torch
-        import torch.nn.functional as F
 
         g = torch.Generator().manual_seed(0)
         x, w, b = (torch.randn(*s, generator=g) for s in ((8, 16), (12, 16), (12,)))
-        out = fn(x, w, b, rank, world_size)
-        return float((out - F.linear(x, w, b)).abs().max())
+        if poisoned:
+            n = 16 // world_size
+            mine = slice(rank * n, (rank + 1) * n)
+            noise = torch.Generator().manual_seed(1000 + rank)
+            x2, w2 = (
+                x + torch.randn(8, 16, generator=noise),
+                w + torch.randn(12, 16, generator=noise),
+            )
+            x2[:, mine], w2[:, mine] = x[:, mine], w[:, mine]
+            x, w = x2, w2
+        return x, w, b
 
-    results = lab.run(task, display=False)
-    if results.errors:
-        r = min(results.errors)
-        return wrong(f"rank {r} raised {results.errors[r]['type']}: {results.errors[r]['message']}")
-    for r, err in sorted(results.values_by_rank.items()):
-        if not err <= 1e-5:
-            return wrong(f"rank {r}: largest difference from the dense layer is {err:.3g}")
-    counts: dict[int, int] = {r: 0 for r in range(lab.world_size)}
-    for rec in lab.trace():
-        if getattr(rec, "op", None) == "all_reduce":
-            counts[rec.rank] += 1
-    if any(n != 1 for n in counts.values()):
-        return wrong(f"all_reduce calls per rank: {counts}; a row-parallel layer needs exactly 1")
-    return right("equal to the dense layer on every rank, with one all_reduce")
+    return _row_inputs
+
+
+def _row_diagnosis(inputs: Any, got: Any, rank: int, world_size: int, poisoned: bool) -> str:
+    """What a wrong output most likely came from (kernel side)."""
+    import torch
+    import torch.nn.functional as F
+
+    x, w, b = inputs(rank, world_size, poisoned=False)
+    n = 16 // world_size
+    mine = slice(rank * n, (rank + 1) * n)
+    dense = [F.linear(*inputs(r, world_size, poisoned)) for r in range(world_size)]
+    guesses = {
+        "it added the bias on every rank before the sum, so the bias counts "
+        f"{world_size} times": F.linear(x, w) + world_size * b,
+        "it holds only its own part X_i A_i (+ bias): the all_reduce is missing": x[:, mine]
+        @ w[:, mine].T,
+        "it computed with the whole weight; the features outside this rank's shard are not "
+        "this rank's to use": dense[rank],
+        "it all-reduced outputs computed with the whole weight; the features outside a "
+        "rank's shard are not its to use": sum(dense),
+        "it averaged outputs computed with the whole weight; the features outside a "
+        "rank's shard are not its to use": sum(dense) / world_size,
+    }
+    for why, value in guesses.items():
+        for candidate in (value, value + b):
+            if torch.allclose(got, candidate, atol=1e-4):
+                return why
+    return "its output is not the sum of the ranks' shards X_i A_i plus the bias"
+
+
+def check_row_parallel(lab: Any, fn: Callable[..., Any]) -> Verdict:
+    """`fn(x, weight, bias, rank, world_size)` runs on every rank with the full x [8, 16] and
+    the dense weight [12, 16]; it must compute with its slice of the input features only and
+    return the full output F.linear(x, weight, bias), using exactly one all_reduce.
+
+    Run twice: once with the same x and weight everywhere (the numbers and the all_reduce
+    count), once with the features outside each rank's slice, in x and the weight, replaced by
+    that rank's own noise: only an answer that really uses its slice alone still gets the dense
+    result there (dense maths plus an all_reduce does not)."""
+    import torch
+    import torch.nn.functional as F
+
+    n = lab.world_size
+    if 16 % n:
+        return wrong(
+            f"this exercise splits 16 features evenly: it needs 1, 2, 4, 8 or 16 ranks, "
+            f"the lab has {n}"
+        )
+    inputs = _row_inputs_factory()
+    x, w, b = inputs(0, n, poisoned=False)
+    want = F.linear(x, w, b)
+    for poisoned in (False, True):
+
+        def task(rank: int, world_size: int, poisoned: bool = poisoned) -> Any:
+            return fn(*inputs(rank, world_size, poisoned), rank, world_size)
+
+        results, bad = run_on_ranks(lab, task, display=False)
+        if bad is not None:
+            return bad
+        for r, out in sorted(results.values_by_rank.items()):
+            if not isinstance(out, torch.Tensor) or out.shape != want.shape:
+                what = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
+                return wrong(f"rank {r} returned {what}, expected a tensor of shape (8, 12)")
+            err = float((out.float().cpu() - want).abs().max())
+            if err > 1e-5:
+                why = _row_diagnosis(inputs, out.float().cpu(), r, n, poisoned)
+                if poisoned:
+                    return wrong(f"rank {r}: right with full inputs, but {why}")
+                return wrong(f"rank {r}: {err:.3g} away from the dense layer; {why}")
+        counts = {r: ops.count("all_reduce") for r, ops in comm_ops(lab).items()}
+        if any(c != 1 for c in counts.values()):
+            return wrong(
+                f"right numbers, but all_reduce calls per rank: {counts}; a row-parallel "
+                "layer needs exactly 1"
+            )
+    return right("every rank computes with its slice only; one all_reduce gives the dense layer")
 
 
 def solution_row_parallel() -> Any:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from labkit.exercises import Verdict, rank_error, reveal, right, wrong
+from labkit.exercises import Verdict, reveal, right, run_on_ranks, wrong
 
 NODES = 2  # the checker's pretend cluster: 2 nodes x world_size ranks
 
@@ -42,8 +42,8 @@ def check_where_am_i(lab: Any, fn: Callable[[], Any]) -> Verdict:
             os.environ.update(real)
         return [tuple(int(v) for v in o) if isinstance(o, (tuple, list)) else o for o in out]
 
-    results = lab.run(task)
-    if (bad := rank_error(results)) is not None:
+    results, bad = run_on_ranks(lab, task)
+    if bad is not None:
         return bad
     n = lab.world_size
     for r, (one_node, two_nodes) in sorted(results.values_by_rank.items()):
@@ -53,7 +53,10 @@ def check_where_am_i(lab: Any, fn: Callable[[], Any]) -> Verdict:
         )
         for where, got, expected in cases:
             if got != expected:
-                return wrong(f"rank {r}, {where}: got {got!r}, expected {expected}")
+                hint = ""
+                if where != "in the lab" and got == one_node:
+                    hint = " (the same as in the lab: read the values from os.environ)"
+                return wrong(f"rank {r}, {where}: got {got!r}, expected {expected}{hint}")
     return right("rank, world size, local rank and node agree with torchrun's variables")
 
 
