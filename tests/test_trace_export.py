@@ -1,0 +1,286 @@
+"""save_trace: a trace as Chrome Trace Event JSON (Perfetto, chrome://tracing, HTA).
+
+Hand-made records check the structure, units (microseconds), tracks, args and flow pairing
+without processes; one test exports a real 2-rank gloo lab's cell and reloads the file. Every
+file written is checked against the rules a viewer needs (`check_viewer_rules`).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+from collections import defaultdict
+
+import pytest
+from test_views_fakes import FakeLab
+
+import labkit
+from labkit.views.trace_export import chrome_trace, flow_pairs, save_trace, trace_events
+from labkit.wire.records import CommRecord, SpanRecord, to_dict
+
+pytestmark = pytest.mark.filterwarnings("error::labkit.views.ViewWarning")
+T0 = 1000.0  # kernel clock, seconds
+
+
+def check_viewer_rules(doc: dict) -> list[dict]:
+    """What Perfetto and chrome://tracing need of a file; returns its events.
+
+    Every event has ph, ts, pid, tid; "X" has name and dur >= 0; slices of a track nest or are
+    disjoint; each flow id has one "s" and then one "f" (bound to its enclosing slice with
+    bp "e"), each inside an "X" slice of its own track.
+    """
+    events = doc["traceEvents"]
+    assert isinstance(events, list) and events
+    slices = defaultdict(list)
+    for e in events:
+        for key in ("ph", "ts", "pid", "tid"):
+            assert key in e, f"{key} missing in {e}"
+        assert isinstance(e["ts"], int | float) and e["ts"] >= 0
+        if e["ph"] == "X":
+            assert e["name"] and e["dur"] >= 0, e
+            slices[(e["pid"], e["tid"])].append((e["ts"], e["ts"] + e["dur"]))
+        else:
+            assert e["ph"] in ("M", "s", "f"), e
+    for track in slices.values():
+        open_ends: list[float] = []
+        for start, end in sorted(track, key=lambda s: (s[0], -s[1])):
+            while open_ends and open_ends[-1] <= start:
+                open_ends.pop()
+            assert not open_ends or end <= open_ends[-1], f"slices overlap on a track: {track}"
+            open_ends.append(end)
+    flows = defaultdict(list)
+    for e in events:
+        if e["ph"] in ("s", "f"):
+            flows[e["id"]].append(e)
+            inside = [a <= e["ts"] <= b for a, b in slices[(e["pid"], e["tid"])]]
+            assert any(inside), f"flow event outside any slice of its track: {e}"
+    for fid, pair in flows.items():
+        assert [e["ph"] for e in pair] == ["s", "f"], f"flow {fid} does not pair up: {pair}"
+        start, finish = pair
+        assert finish.get("bp") == "e" and start["cat"] == finish["cat"]
+        assert start["name"] == finish["name"]
+    return events
+
+
+def _records() -> list:
+    g = (0, 1, 2)
+    return [
+        SpanRecord(rank=0, name="forward", start=T0, end=T0 + 0.010, cell=3),
+        CommRecord(rank=0, op="all_reduce", seq=5, group=g, bytes=4096, dtype="float32",
+                   shape=(1024,), start=T0 + 0.004, end=T0 + 0.009, cell=3, line=4,
+                   filename="<cell>", reduce_op="SUM"),
+        CommRecord(rank=1, op="all_reduce", seq=5, group=g, bytes=4096, start=T0 + 0.006,
+                   end=T0 + 0.009, cell=3),
+        CommRecord(rank=2, op="all_reduce", seq=5, group=g, bytes=4096, start=T0 + 0.008,
+                   end=T0 + 0.0091, cell=3),
+        # rank 0's 2nd send to rank 2 is rank 2's 2nd receive from rank 0
+        CommRecord(rank=0, op="isend", seq=2, group=g, peer=2, bytes=64, start=T0 + 0.011,
+                   end=T0 + 0.014, cell=3, async_op=True),
+        CommRecord(rank=2, op="recv", seq=2, group=g, peer=0, bytes=64, start=T0 + 0.012,
+                   end=T0 + 0.013, cell=3),
+        # a send whose receive is not in the trace: no arrow
+        CommRecord(rank=1, op="send", seq=1, group=g, peer=2, bytes=64, start=T0 + 0.011,
+                   end=T0 + 0.012, cell=3),
+    ]  # fmt: skip
+
+
+def _by(events: list, ph: str, **match) -> list:
+    return [e for e in events if e["ph"] == ph and all(e.get(k) == v for k, v in match.items())]
+
+
+def test_slices_in_microseconds_since_the_first_record_with_args() -> None:
+    events = check_viewer_rules(chrome_trace(_records()))
+    fwd = _by(events, "X", name="forward")[0]
+    assert (fwd["pid"], fwd["tid"], fwd["ts"], fwd["dur"], fwd["cat"]) == (0, 0, 0, 10000, "span")
+    ar = _by(events, "X", name="all_reduce", pid=0)[0]
+    assert ar["ts"] == pytest.approx(4000) and ar["dur"] == pytest.approx(5000)
+    assert ar["tid"] == 0  # nested in the span, on the same track
+    assert ar["cat"] == "collective"
+    assert ar["args"] == {
+        "op": "all_reduce", "bytes": 4096, "group": [0, 1, 2], "seq": 5, "dtype": "float32",
+        "shape": [1024], "reduce_op": "SUM", "async_op": False, "cell": 3, "line": 4,
+        "file": "<cell>",
+    }  # fmt: skip
+    send = _by(events, "X", name="isend")[0]
+    assert send["cat"] == "p2p" and send["args"]["peer"] == 2 and send["args"]["async_op"]
+    assert not _by(events, "X", cat="device")  # no device time on CPU
+
+
+def test_one_named_process_per_rank_and_named_tracks() -> None:
+    events = chrome_trace(_records())["traceEvents"]
+    names = {e["pid"]: e["args"]["name"] for e in _by(events, "M", name="process_name")}
+    assert names == {0: "rank 0", 1: "rank 1", 2: "rank 2"}
+    order = {e["pid"]: e["args"]["sort_index"] for e in _by(events, "M", name="process_sort_index")}
+    assert order == {0: 0, 1: 1, 2: 2}
+    threads = {
+        (e["pid"], e["tid"]): e["args"]["name"] for e in _by(events, "M", name="thread_name")
+    }
+    assert threads[(0, 0)] == "host"
+
+
+def test_a_collective_flows_from_its_last_caller_to_every_other_rank() -> None:
+    events = check_viewer_rules(chrome_trace(_records()))
+    starts = {e["id"]: e for e in _by(events, "s", cat="collective")}
+    ends = {e["id"]: e for e in _by(events, "f", cat="collective")}
+    assert starts.keys() == ends.keys() and len(starts) == 2
+    assert {s["pid"] for s in starts.values()} == {2}  # rank 2 called last: the others waited
+    assert sorted(ends[i]["pid"] for i in starts) == [0, 1]
+    for i, s in starts.items():
+        assert s["pid"] != ends[i]["pid"] and s["name"] == "all_reduce"
+
+
+def test_a_send_flows_to_the_receive_that_took_it() -> None:
+    events = check_viewer_rules(chrome_trace(_records()))
+    (s,) = _by(events, "s", cat="p2p")
+    (f,) = _by(events, "f", cat="p2p")
+    assert (s["pid"], f["pid"], s["id"]) == (0, 2, f["id"])
+    # the flow sits inside the send's slice (11 ms to 14 ms) and the receive's (12 to 13)
+    assert 11000 <= s["ts"] <= 14000 and 12000 <= f["ts"] <= 13000
+    pairs = flow_pairs([r for r in _records() if isinstance(r, CommRecord)])
+    assert [(c, a.rank, b.rank) for c, a, b in pairs if c == "p2p"] == [("p2p", 0, 2)]
+
+
+def test_overlapping_calls_go_to_further_tracks_and_device_time_to_its_own() -> None:
+    g = (0, 1)
+    records = [
+        CommRecord(rank=0, op="irecv", seq=1, group=g, peer=1, start=T0, end=T0 + 0.003),
+        CommRecord(rank=0, op="irecv", seq=2, group=g, peer=1, start=T0 + 0.001, end=T0 + 0.004),
+        CommRecord(rank=0, op="all_reduce", seq=1, group=g, start=T0 + 0.002, end=T0 + 0.0025,
+                   device_time=0.0004),
+    ]  # fmt: skip
+    events = check_viewer_rules(chrome_trace(records))
+    tids = [e["tid"] for e in _by(events, "X") if e["cat"] != "device"]
+    assert tids == [0, 1, 2]  # neither nests in the other: calls nest only in spans
+    (dev,) = _by(events, "X", cat="device")
+    assert dev["tid"] >= 1000 and dev["dur"] == pytest.approx(400) and dev["ts"] == 2000
+    assert dev["args"]["device_us"] == pytest.approx(400)
+    threads = {e["tid"]: e["args"]["name"] for e in _by(events, "M", name="thread_name")}
+    assert threads[dev["tid"]] == "device (CUDA events)"
+
+
+def test_save_trace_writes_a_file_that_reloads(tmp_path) -> None:
+    path = save_trace([to_dict(r) for r in _records()], tmp_path / "t.json")
+    assert path == str(tmp_path / "t.json")
+    doc = json.loads((tmp_path / "t.json").read_text())
+    check_viewer_rules(doc)
+    assert doc["otherData"]["t0_unix_s"] == T0 and doc["otherData"]["world_size"] == 3
+    assert "distributedInfo" not in doc  # the combined file holds every rank
+    save_trace(_records(), tmp_path / "t.json.gz", cell=3)
+    with gzip.open(tmp_path / "t.json.gz", "rt") as fh:
+        assert json.load(fh)["traceEvents"] == doc["traceEvents"]
+
+
+def test_per_rank_files_carry_distributed_info_and_one_origin(tmp_path) -> None:
+    lab = FakeLab(3, records=_records())
+    lab.backend = "gloo"
+    paths = save_trace(lab, tmp_path, per_rank=True)
+    assert paths == [str(tmp_path / f"rank{r}.json") for r in range(3)]
+    docs = [json.loads(open(p).read()) for p in paths]
+    for rank, doc in enumerate(docs):
+        events = check_viewer_rules(doc)
+        info = doc["distributedInfo"]
+        assert (info["rank"], info["world_size"], info["backend"]) == (rank, 3, "gloo")
+        assert info["pg_config"][0]["ranks"] == [0, 1, 2] and info["pg_count"] == 1
+        assert {e["pid"] for e in events} == {rank}
+        assert not [e for e in events if e["ph"] in ("s", "f")]
+    # each file keeps the common origin: rank 1's all_reduce starts 6 ms after rank 0's span
+    (ar,) = _by(docs[1]["traceEvents"], "X", name="all_reduce")
+    assert ar["ts"] == pytest.approx(6000)
+    paths = save_trace(_records(), str(tmp_path / "r{rank}.json"), per_rank=True)
+    assert (
+        paths[2].endswith("r2.json") and json.load(open(paths[2]))["distributedInfo"]["rank"] == 2
+    )
+
+
+def test_bad_input_gets_a_clear_error(tmp_path) -> None:
+    with pytest.raises(ValueError, match="nothing to save: the last cell left no trace records"):
+        save_trace(FakeLab(2), tmp_path / "t.json")
+    with pytest.raises(ValueError, match="nothing to save: no trace records of cell 9"):
+        save_trace(_records(), tmp_path / "t.json", cell=9)
+    with pytest.raises(ValueError, match="nothing to save"):
+        save_trace([], tmp_path / "t.json")
+    with pytest.raises(TypeError, match="takes a lab or a list of trace records"):
+        save_trace("trace.json", tmp_path / "t.json")
+    with pytest.raises(TypeError, match="trace record 1 is a int"):
+        save_trace([_records()[0], 5], tmp_path / "t.json")
+    with pytest.raises(ValueError, match="dict is not a CommRecord"):
+        save_trace([{"rank": 0, "op": "send"}], tmp_path / "t.json")
+    with pytest.raises(FileNotFoundError, match="the folder .*nowhere.* does not exist"):
+        save_trace(_records(), tmp_path / "nowhere" / "t.json")
+    with pytest.raises(ValueError, match=r"needs an existing folder .* or a path with \{rank\}"):
+        save_trace(_records(), tmp_path / "t.json", per_rank=True)
+    assert not list(tmp_path.iterdir())  # nothing half-written
+
+
+def test_labkit_exports_save_trace() -> None:
+    assert labkit.save_trace is save_trace and "save_trace" in labkit.__all__
+    assert trace_events([]) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_real_cell_exports_with_flows_across_ranks(tmp_path) -> None:
+    lab = labkit.Lab(2, device="cpu")
+    try:
+        lab.run(
+            """
+import labkit
+x = torch.ones(1000)
+with labkit.span("compute"):
+    x = x * 2
+dist.all_reduce(x)
+if rank == 0:
+    dist.send(x, dst=1)
+else:
+    dist.recv(x, src=0)
+dist.barrier()
+"""
+        ).raise_for_errors()
+        path = save_trace(lab, tmp_path / "lab.json")
+        paths = save_trace(lab, tmp_path, per_rank=True)
+        records = lab.trace()
+    finally:
+        lab.stop()
+    doc = json.load(open(path))
+    events = check_viewer_rules(doc)
+    assert doc["otherData"]["backend"] == "gloo" and doc["otherData"]["world_size"] == 2
+    ops = sorted((e["pid"], e["name"]) for e in _by(events, "X") if e["cat"] != "span")
+    assert ops == [(0, "all_reduce"), (0, "barrier"), (0, "send"),
+                   (1, "all_reduce"), (1, "barrier"), (1, "recv")]  # fmt: skip
+    assert sorted(e["pid"] for e in _by(events, "X", name="compute")) == [0, 1]
+    # the slices are the records, shifted to the first record's start
+    t0 = min(r.start for r in records)
+    for rec in records:
+        name = getattr(rec, "op", getattr(rec, "name", None))
+        (e,) = _by(events, "X", name=name, pid=rec.rank)
+        assert e["ts"] == pytest.approx((rec.start - t0) * 1e6, abs=0.01)
+        assert e["dur"] == pytest.approx((rec.end - rec.start) * 1e6, abs=0.01)
+    flows = defaultdict(dict)
+    for e in events:
+        if e["ph"] in ("s", "f"):
+            flows[e["id"]][e["ph"]] = e
+    kinds = sorted((p["s"]["cat"], p["s"]["name"]) for p in flows.values())
+    assert kinds == [
+        ("collective", "all_reduce"),
+        ("collective", "barrier"),
+        ("p2p", "send -> recv"),
+    ]
+    for pair in flows.values():
+        assert pair["s"]["pid"] != pair["f"]["pid"]  # each arrow joins two ranks
+    p2p = next(p for p in flows.values() if p["s"]["cat"] == "p2p")
+    assert (p2p["s"]["pid"], p2p["f"]["pid"]) == (0, 1)
+    for rank, p in enumerate(paths):
+        one = json.load(open(p))
+        check_viewer_rules(one)
+        assert one["distributedInfo"]["rank"] == rank
+        assert one["distributedInfo"]["backend"] == "gloo"
+
+
+def test_holistic_trace_analysis_reads_the_per_rank_files(tmp_path) -> None:
+    """HTA (an optional package, not a labkit dependency) loads each rank's file by its rank."""
+    hta = pytest.importorskip("hta.trace_analysis", reason="HolisticTraceAnalysis not installed")
+    save_trace(_records(), tmp_path, per_rank=True)
+    analyzer = hta.TraceAnalysis(trace_dir=str(tmp_path))
+    assert sorted(analyzer.t.get_all_traces()) == [0, 1, 2]
+    df = analyzer.t.get_trace(2)
+    names = set(analyzer.t.symbol_table.get_sym_table()[i] for i in df["name"].unique())
+    assert {"all_reduce", "recv", "send"} <= names
