@@ -261,7 +261,8 @@ def chrome_trace(
 
 
 def _write(doc: dict[str, Any], path: Path) -> None:
-    text = json.dumps(doc, separators=(",", ":"))
+    # json's default ", " and ": ": HTA 0.5 finds a file's rank with the pattern '"rank":\s+N'
+    text = json.dumps(doc)
     if path.suffix == ".gz":
         with gzip.open(path, "wt", encoding="utf-8") as fh:
             fh.write(text)
