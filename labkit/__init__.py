@@ -31,6 +31,7 @@ __all__ = [
     "show_timeline",
     "show_comm",
     "save_trace",
+    "profile",
     "auto_split",
     "load_ipython_extension",
     "prewarm",
@@ -51,6 +52,7 @@ _LAZY = {
     "show_timeline": "labkit.views",
     "show_comm": "labkit.views",
     "save_trace": "labkit.views",
+    "profile": "labkit.kernel.profiling",
     "auto_split": "labkit.parallel.auto_split",
 }
 

@@ -13,9 +13,12 @@ import re
 from collections import defaultdict
 
 import pytest
+import torch
 from test_views_fakes import FakeLab
 
 import labkit
+from labkit.kernel.magics import LabMagics
+from labkit.kernel.profiling import profile_start, profiler_events
 from labkit.views.trace_export import chrome_trace, flow_pairs, save_trace, trace_events
 from labkit.wire.records import CommRecord, SpanRecord, to_dict
 
@@ -221,12 +224,17 @@ def test_labkit_exports_save_trace() -> None:
     assert trace_events([]) == []
 
 
-@pytest.mark.timeout(180)
-def test_a_real_cell_exports_with_flows_across_ranks(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def lab():
     lab = labkit.Lab(2, device="cpu")
-    try:
-        lab.run(
-            """
+    yield lab
+    lab.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_real_cell_exports_with_flows_across_ranks(lab, tmp_path) -> None:
+    lab.run(
+        """
 import labkit
 x = torch.ones(1000)
 with labkit.span("compute"):
@@ -238,12 +246,10 @@ else:
     dist.recv(x, src=0)
 dist.barrier()
 """
-        ).raise_for_errors()
-        path = save_trace(lab, tmp_path / "lab.json")
-        paths = save_trace(lab, tmp_path, per_rank=True)
-        records = lab.trace()
-    finally:
-        lab.stop()
+    ).raise_for_errors()
+    path = save_trace(lab, tmp_path / "lab.json")
+    paths = save_trace(lab, tmp_path, per_rank=True)
+    records = lab.trace()
     doc = json.load(open(path))
     events = check_viewer_rules(doc)
     assert doc["otherData"]["backend"] == "gloo" and doc["otherData"]["world_size"] == 2
@@ -289,3 +295,74 @@ def test_holistic_trace_analysis_reads_the_per_rank_files(tmp_path) -> None:
     for rank, ops in ((0, {"forward", "all_reduce", "isend"}), (2, {"all_reduce", "recv"})):
         df = analyzer.t.get_trace(rank)
         assert {table[i] for i in df["name"].unique()} == ops
+
+
+def test_profiler_events_go_under_their_rank_on_tracks_of_their_own() -> None:
+    torch_events = [  # what a rank keeps: the profiler's trace, ts in us since its base time
+        {"ph": "M", "name": "process_name", "pid": 77, "tid": 0, "ts": 0,
+         "args": {"name": "python"}},
+        {"ph": "M", "name": "thread_name", "pid": 77, "tid": 78, "ts": 0,
+         "args": {"name": "thread 78 (python)"}},
+        {"ph": "X", "name": "aten::mm", "cat": "cpu_op", "pid": 77, "tid": 78, "ts": 2000.125,
+         "dur": 150.5, "args": {"External id": 3}},
+        # a child that ends 2 ns after its parent (the profiler does that): cut at its end
+        {"ph": "X", "name": "aten::empty", "cat": "cpu_op", "pid": 77, "tid": 78,
+         "ts": 2100.0, "dur": 50.627},
+        {"ph": "X", "name": "gloo", "cat": "cpu_op", "pid": 77, "tid": 90, "ts": 3000, "dur": 10},
+        {"ph": "s", "name": "ac2g", "pid": 77, "tid": 78, "ts": 2000, "id": 1},
+        {"ph": "i", "name": "mark", "pid": 77, "tid": 78, "ts": 2000, "s": "t"},
+    ]  # fmt: skip
+    profile = {1: {"origin": T0, "events": torch_events}}
+    events = profiler_events(profile, T0 + 0.001)
+    assert profile_start(profile) == pytest.approx(T0 + 0.002000125)
+    check_viewer_rules({"traceEvents": events})
+    threads = {e["tid"]: e["args"]["name"] for e in _by(events, "M", name="thread_name")}
+    assert threads == {
+        2000: "torch.profiler: thread 78 (python)",
+        2001: "torch.profiler: thread 90",
+    }
+    mm, empty, gloo = _by(events, "X")
+    assert (mm["pid"], mm["tid"], mm["ts"], mm["dur"], mm["cat"]) == (
+        1,
+        2000,
+        1000.125,
+        150.5,
+        "cpu_op",
+    )
+    assert mm["args"] == {"External id": 3} and (gloo["tid"], gloo["ts"]) == (2001, 2000)
+    assert (empty["ts"], empty["dur"]) == (1100, 50.625)
+    assert not [e for e in events if e["ph"] not in ("M", "X")]  # its flows and instants left out
+
+
+@pytest.mark.timeout(300)
+def test_a_profiled_cell_has_each_ranks_operators_inside_labkits_calls(lab, tmp_path) -> None:
+    with pytest.raises(TypeError, match="takes a cell's code as a string"):
+        labkit.profile(lab, lambda: None)
+    code = """
+y = torch.mm(torch.ones(32, 32), torch.ones(32, 32))
+x = torch.ones(4096)
+dist.all_reduce(x)
+x.sum();
+"""
+    LabMagics(shell=None).ranks("--profile", code)  # as `%%ranks --profile` (the first is slow)
+    assert sorted((r.rank, r.op) for r in lab.trace()) == [(0, "all_reduce"), (1, "all_reduce")]
+    assert all(torch.equal(x, torch.full((4096,), 2.0)) for x in lab.pull("x").values())
+    doc = json.load(open(save_trace(lab, tmp_path / "p.json")))
+    events = check_viewer_rules(doc)
+    for rank in (0, 1):
+        (ar,) = _by(events, "X", name="all_reduce", pid=rank, cat="collective")
+        mm = _by(events, "X", name="aten::mm", pid=rank)
+        c10d = [e for e in _by(events, "X", pid=rank) if e["name"].startswith("c10d::allreduce")]
+        assert mm and mm[0]["tid"] >= 2000 and c10d and c10d[0]["tid"] >= 2000
+        # one clock: the profiler's all_reduce op lies inside labkit's record of the call
+        slack = 100  # microseconds: the profiler converts its clock to Unix time
+        assert ar["ts"] - slack <= c10d[0]["ts"]
+        assert c10d[0]["ts"] + c10d[0]["dur"] <= ar["ts"] + ar["dur"] + slack
+        assert mm[0]["ts"] + mm[0]["dur"] <= ar["ts"] + slack  # the matmul came first
+    one = json.load(open(save_trace(lab, tmp_path, per_rank=True)[1]))
+    check_viewer_rules(one)
+    assert _by(one["traceEvents"], "X", name="aten::mm", pid=1)
+    # another cell is not the profiled one: its export has no operators
+    lab.run("dist.barrier()").raise_for_errors()
+    doc = json.load(open(save_trace(lab, tmp_path / "q.json")))
+    assert not [e for e in doc["traceEvents"] if e.get("tid", 0) >= 2000]

@@ -234,22 +234,35 @@ def chrome_trace(
     rank: int | None = None,
     world_size: int | None = None,
     backend: str | None = None,
+    profile: dict[int, Any] | None = None,
 ) -> dict[str, Any]:
-    """The trace document: every rank with flows, or (`rank` given) that rank's file for HTA."""
-    from labkit import __version__
+    """The trace document: every rank with flows, or (`rank` given) that rank's file for HTA.
 
+    `profile` is {rank: its torch.profiler events} (`labkit.kernel.profiling.Profile`),
+    merged under each rank's process.
+    """
+    from labkit import __version__
+    from labkit.kernel.profiling import profile_start, profiler_events
+
+    profile = profile or {}
     if world_size is None:  # the highest rank seen, in a record or in a group
-        seen = {r.rank for r in records}.union(*(g for g in _groups(records)))
+        seen = {r.rank for r in records}.union(*(g for g in _groups(records)), profile)
         world_size = 1 + max(seen)
-    t0 = min(r.start for r in records)
+    starts = [r.start for r in records] + [profile_start(profile) or float("inf")]
+    t0 = min(starts)
+    if t0 == float("inf"):
+        raise ValueError("nothing to save: no trace records and no profiled operators")
     other = {"labkit_version": __version__, "t0_unix_s": t0, "world_size": world_size}
     if backend:
         other["backend"] = backend
     if rank is None:
-        doc = {"traceEvents": trace_events(records, t0=t0)}
+        events = trace_events(records, t0=t0)
+        events += profiler_events(profile, t0)
+        doc = {"traceEvents": events}
     else:
         # the same origin in every rank's file, so HTA lines the ranks up
         events = trace_events([r for r in records if r.rank == rank], flows=False, t0=t0)
+        events += profiler_events({r: p for r, p in profile.items() if r == rank}, t0)
         doc = {
             "schemaVersion": 1,
             "distributedInfo": _distributed_info(records, rank, world_size, backend),
@@ -290,15 +303,29 @@ def _rank_paths(path: str, ranks: list[int]) -> dict[int, Path]:
     )
 
 
+def _profile_of(lab: Any, records: list[Record], cell: int | None) -> dict[int, Any] | None:
+    """The lab's last torch.profiler profile when it is of the cell being saved: `cell`, or
+    the traced cell, or (no records in the last cell) the profiled one."""
+    from labkit.kernel.profiling import last_profile
+
+    kept = last_profile(lab)
+    if kept is None:
+        return None
+    profiled, events = kept
+    if cell is None and records:
+        cell = records[0].cell
+    return events if cell is None or cell == profiled else None
+
+
 def _records(lab_or_records: Any, cell: int | None) -> tuple[list[Record], Any]:
     if is_lab(lab_or_records):
         records, lab = records_from(lab_or_records, cell)
-        if not records:
+        if not records and _profile_of(lab, records, cell) is None:
             which = f"cell {cell}" if cell is not None else "the last cell"
             raise ValueError(
                 f"nothing to save: {which} left no trace records (no torch.distributed call, "
-                "no labkit.span). Run a cell that communicates first, or pass cell=N for an "
-                "earlier one (the ranks keep the last 20)."
+                "no labkit.span, no labkit.profile). Run a cell that communicates first, or "
+                "pass cell=N for an earlier one (the ranks keep the last 20)."
             )
         return records, lab
     if isinstance(lab_or_records, (str, bytes, dict)) or not isinstance(lab_or_records, Iterable):
@@ -338,24 +365,29 @@ def save_trace(
     (files `rank0.json`, `rank1.json`, ...) or a pattern with `{rank}` (`"t/rank{rank}.json"`),
     and each file has the `distributedInfo` Holistic Trace Analysis needs. A `.gz` path is
     compressed. The folder must exist; files already there are replaced.
+
+    After `labkit.profile(lab, code)` (or a `%%ranks --profile` cell), saving that cell also
+    writes the torch.profiler operators of each rank under its process.
     """
     records, lab = _records(lab_or_records, cell)
     path = os.path.expanduser(os.fspath(path))
-    world_size = backend = None
+    world_size = backend = profile = None
     if lab is not None:
         world_size = getattr(lab, "world_size", None) or None
         backend = getattr(lab, "backend", None)
+        profile = _profile_of(lab, records, cell)
+    meta = {"world_size": world_size, "backend": backend, "profile": profile}
     if not per_rank:
         target = Path(path)
         _folder_must_exist(target)
-        _write(chrome_trace(records, world_size=world_size, backend=backend), target)
+        _write(chrome_trace(records, **meta), target)
         return str(target)
-    targets = _rank_paths(path, sorted({r.rank for r in records}))
+    targets = _rank_paths(path, sorted({r.rank for r in records} | set(profile or {})))
     for target in targets.values():
         _folder_must_exist(target)
     written = []
     for rank, target in targets.items():
-        doc = chrome_trace(records, rank=rank, world_size=world_size, backend=backend)
+        doc = chrome_trace(records, rank=rank, **meta)
         _write(doc, target)
         written.append(str(target))
     return written
