@@ -18,7 +18,8 @@ from test_views_fakes import FakeLab
 
 import labkit
 from labkit.kernel.magics import LabMagics
-from labkit.kernel.profiling import profile_start, profiler_events
+from labkit.kernel.profiling import last_profile, profile_start, profiler_events
+from labkit.rank.profiling import PROFILE_NAME, ProfiledCell
 from labkit.views.trace_export import chrome_trace, flow_pairs, save_trace, trace_events
 from labkit.wire.records import CommRecord, SpanRecord, to_dict
 
@@ -219,6 +220,35 @@ def test_bad_input_gets_a_clear_error(tmp_path) -> None:
     assert not list(tmp_path.iterdir())  # nothing half-written
 
 
+def test_a_collective_of_another_cell_is_not_joined() -> None:
+    a, b = _records()[1:3]  # rank 0 and rank 1's all_reduce #5
+    assert len(flow_pairs([a, b])) == 1
+    b.cell = 4  # the same group and seq after a restart: another collective
+    assert flow_pairs([a, b]) == []
+
+
+def test_profile_keeps_each_ranks_events_shifted_by_its_clock_offset() -> None:
+    class Lab:  # what profile() uses of a lab
+        offsets = {0: 0.0, 1: 0.25}  # rank 1's clock runs 0.25 s ahead of the kernel's
+
+        def ranks(self, spec):
+            return [0, 1]
+
+        def run(self, fn, ranks, timeout):
+            assert isinstance(fn, ProfiledCell) and fn.code == "x = 1" and ranks == [0, 1]
+            return "results"
+
+        def pull(self, name, ranks):
+            assert name == PROFILE_NAME
+            return {r: {"cell": 7, "base_s": T0 + 0.25 * r, "events": [{"ts": 5}]} for r in ranks}
+
+    lab = Lab()
+    assert labkit.profile(lab, "x = 1") == "results"
+    cell, by_rank = last_profile(lab)
+    assert cell == 7 and by_rank[0]["origin"] == T0 and by_rank[1]["origin"] == T0
+    assert last_profile(Lab()) is None and last_profile([]) is None
+
+
 def test_labkit_exports_save_trace() -> None:
     assert labkit.save_trace is save_trace and "save_trace" in labkit.__all__
     assert trace_events([]) == []
@@ -335,7 +365,10 @@ def test_profiler_events_go_under_their_rank_on_tracks_of_their_own() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_a_profiled_cell_has_each_ranks_operators_inside_labkits_calls(lab, tmp_path) -> None:
+def test_a_profiled_cell_has_each_ranks_operators_inside_labkits_calls(
+    lab, tmp_path, cpu_load
+) -> None:
+    """On a machine whose every CPU is busy: the clocks still agree."""
     with pytest.raises(TypeError, match="takes a cell's code as a string"):
         labkit.profile(lab, lambda: None)
     code = """
@@ -355,7 +388,7 @@ x.sum();
         c10d = [e for e in _by(events, "X", pid=rank) if e["name"].startswith("c10d::allreduce")]
         assert mm and mm[0]["tid"] >= 2000 and c10d and c10d[0]["tid"] >= 2000
         # one clock: the profiler's all_reduce op lies inside labkit's record of the call
-        slack = 100  # microseconds: the profiler converts its clock to Unix time
+        slack = 1000  # us: the profiler converts its clock to Unix time (a unit slip is 1e3x)
         assert ar["ts"] - slack <= c10d[0]["ts"]
         assert c10d[0]["ts"] + c10d[0]["dur"] <= ar["ts"] + ar["dur"] + slack
         assert mm[0]["ts"] + mm[0]["dur"] <= ar["ts"] + slack  # the matmul came first

@@ -184,12 +184,12 @@ def trace_events(
 
 def flow_pairs(comms: list[CommRecord]) -> list[tuple[str, CommRecord, CommRecord]]:
     """(category, from, to) for each arrow: a collective's last caller to each other caller
-    (same group and seq, ranks differing), and each send to the receive that took it."""
+    (same cell, group and seq, ranks differing), and each send to the receive that took it."""
     pairs: list[tuple[str, CommRecord, CommRecord]] = []
-    calls: dict[tuple[tuple[int, ...], int], list[CommRecord]] = {}
+    calls: dict[tuple[int, tuple[int, ...], int], list[CommRecord]] = {}
     for rec in comms:
-        if rec.op not in P2P_OPS and len(rec.group) > 1:
-            calls.setdefault((rec.group, rec.seq), []).append(rec)
+        if rec.op not in P2P_OPS and len(rec.group) > 1:  # a restart numbers groups anew
+            calls.setdefault((rec.cell, rec.group, rec.seq), []).append(rec)
     for recs in calls.values():
         by_rank = {r.rank: r for r in recs}  # a rank calls a collective slot once
         if len(by_rank) < 2:
