@@ -399,3 +399,12 @@ x.sum();
     lab.run("dist.barrier()").raise_for_errors()
     doc = json.load(open(save_trace(lab, tmp_path / "q.json")))
     assert not [e for e in doc["traceEvents"] if e.get("tid", 0) >= 2000]
+    # a profiled cell that raises: its error comes back, its operators up to the error are saved
+    results = labkit.profile(lab, "z = torch.arange(6.).sum()\nraise ValueError('boom')")
+    with pytest.raises(labkit.RemoteError, match="ValueError: boom") as err:
+        results.raise_for_errors()
+    assert "profiling.py" not in str(err.value)  # labkit's own frames are left out
+    assert lab.trace() == []  # no record: the export is the profile alone
+    doc = json.load(open(save_trace(lab, tmp_path / "e.json")))
+    check_viewer_rules(doc)
+    assert {e["pid"] for e in _by(doc["traceEvents"], "X", name="aten::arange")} == {0, 1}
