@@ -18,7 +18,8 @@ kernel's clock, so ranks line up) as a Chrome Trace Event file:
 `per_rank=True` writes one file per rank, each with a top-level `distributedInfo` (backend,
 rank, world_size and the groups seen) as torch.profiler writes it, which is what Holistic
 Trace Analysis reads to know a file's rank. Those files carry no flows (a flow needs both ranks).
-A path ending in `.gz` is written gzip-compressed (Perfetto and HTA read it).
+A path ending in `.gz` is written gzip-compressed (Perfetto and HTA read it). The operators of a
+cell run under torch.profiler (`labkit.kernel.profiling`) join their rank's process.
 """
 
 from __future__ import annotations
