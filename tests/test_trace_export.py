@@ -132,6 +132,8 @@ def test_a_collective_flows_from_its_last_caller_to_every_other_rank() -> None:
     assert sorted(ends[i]["pid"] for i in starts) == [0, 1]
     for i, s in starts.items():
         assert s["pid"] != ends[i]["pid"] and s["name"] == "all_reduce"
+        assert s["ts"] == 8000.001  # when rank 2 called: it let the others' calls return
+    assert sorted(ends[i]["ts"] for i in starts) == [8999.999, 8999.999]
 
 
 def test_a_send_flows_to_the_receive_that_took_it() -> None:
@@ -139,8 +141,8 @@ def test_a_send_flows_to_the_receive_that_took_it() -> None:
     (s,) = _by(events, "s", cat="p2p")
     (f,) = _by(events, "f", cat="p2p")
     assert (s["pid"], f["pid"], s["id"]) == (0, 2, f["id"])
-    # the flow sits inside the send's slice (11 ms to 14 ms) and the receive's (12 to 13)
-    assert 11000 <= s["ts"] <= 14000 and 12000 <= f["ts"] <= 13000
+    # from the send's start (11 ms) to the receive's end (13 ms), a nanosecond inside each
+    assert (s["ts"], f["ts"]) == (11000.001, 12999.999)
     pairs = flow_pairs([r for r in _records() if isinstance(r, CommRecord)])
     assert [(c, a.rank, b.rank) for c, a, b in pairs if c == "p2p"] == [("p2p", 0, 2)]
 

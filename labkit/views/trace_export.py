@@ -11,9 +11,10 @@ kernel's clock, so ranks line up) as a Chrome Trace Event file:
 - every call and span is a complete event ("X", `ts` and `dur` in microseconds since the first
   record; `otherData.t0_unix_s` is that instant) with op, bytes, group, seq and peer in `args`;
 - flow events ("s" then "f", bound to the enclosing slice) join the calls of one collective
-  (same group and sequence number): from the rank that called it last, the one the others
-  waited for, to each other rank; and each send to its receive (the n-th send from A to B with
-  the n-th receive on B from A).
+  (same group and sequence number): from the start of the call of the rank that called it
+  last, the one the others waited for, to the end of each other rank's call; and from each
+  send's start to the end of its receive (the n-th send from A to B with the n-th receive on B
+  from A).
 
 `per_rank=True` writes one file per rank, each with a top-level `distributedInfo` (backend,
 rank, world_size and the groups seen) as torch.profiler writes it, which is what Holistic
@@ -168,6 +169,9 @@ def trace_events(
         for number, (cat, src, dst) in enumerate(flow_pairs(comms), start=1):
             for ph, rec in (("s", src), ("f", dst)):
                 pid, tid, ts, dur = where[id(rec)]
+                # from the source's start to the target's end, a nanosecond inside each slice
+                # (which the flow event binds to): the last caller let the others return
+                step = min(0.001, dur / 2)
                 event = {
                     "ph": ph,
                     "id": number,
@@ -175,7 +179,7 @@ def trace_events(
                     "cat": cat,
                     "pid": pid,
                     "tid": tid,
-                    "ts": round(ts + dur / 2, 3),  # inside its slice, which it binds to
+                    "ts": round(ts + step if ph == "s" else ts + dur - step, 3),
                 }
                 if ph == "f":
                     event["bp"] = "e"
