@@ -103,7 +103,6 @@ def test_splits_are_uneven_and_consistent(ranks: list[dict]) -> None:
 
 @pytest.mark.timeout(120)
 def test_traced_bytes_equal_the_formula(ranks: list[dict]) -> None:
-    n = len(ranks)
     matrix = [res["dispatch"].input_splits for res in ranks]
     volume = all_to_all_volume(matrix, HIDDEN, 4, EXPERTS)
     combine = [v.combine for v in volume]
@@ -124,7 +123,6 @@ def test_traced_bytes_equal_the_formula(ranks: list[dict]) -> None:
             ("all_to_all_single", v.combine, "float32"),
         ]
     assert sum(v.dispatch_off_rank for v in volume) == sum(v.combine_off_rank for v in volume)
-    assert n in (2, 4)
 
 
 def test_formulas_by_hand() -> None:
