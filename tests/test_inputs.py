@@ -5,6 +5,7 @@ import pytest
 from labkit.kernel.policy import check_world_size, choose
 from labkit.kernel.rank_spec import parse_ranks
 
+
 @pytest.mark.parametrize("n", [0, -1, 10_000, "4", 2.0, True])
 def test_world_size_out_of_range(n):
     with pytest.raises(ValueError, match=r"world_size must be"):
