@@ -100,7 +100,9 @@ class Zero1Optimizer:
         self.rank = dist.get_rank(group)
         total = sum(p.numel() for p in self.params)
         self.shard_size = math.ceil(total / self.world_size)
-        self.flat = torch.zeros(self.shard_size * self.world_size, dtype=dtypes.pop())
+        self.flat = torch.zeros(
+            self.shard_size * self.world_size, dtype=dtypes.pop(), device=self.params[0].device
+        )
         offset = 0
         with torch.no_grad():
             for p in self.params:
