@@ -262,7 +262,7 @@ def dtensor_mlp(
 
     Runs on every rank of the mesh; every rank must call it. The weights become DTensors
     sharded over the 1-D `mesh` (default: a mesh over the whole default group, of the device
-    type of `fc1`'s weight: "cuda" for a model on the GPU, "cpu" for one on the CPU).
+    type of `fc1`'s weight: a CUDA mesh for a model on the GPU, a CPU one for a model on the CPU).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
