@@ -123,3 +123,26 @@ def test_lab_rejects_bad_arguments_before_starting():
         labkit.Lab(2, backend="foo")
     with pytest.raises(ValueError, match="one GPU per rank"):
         labkit.Lab(2, backend="nccl")
+
+
+def test_labkit_device_env_sets_the_default_device_only():
+    from labkit.kernel.policy import default_device
+
+    assert default_device("auto", {}) == "auto"
+    assert default_device("auto", {"LABKIT_DEVICE": "cuda"}) == "cuda"
+    assert default_device("cpu", {"LABKIT_DEVICE": "cuda"}) == "cpu"  # an explicit ask wins
+    with pytest.raises(ValueError, match="LABKIT_DEVICE must be one of auto, cpu, cuda; got 'gpu'"):
+        default_device("auto", {"LABKIT_DEVICE": "gpu"})
+
+
+@pytest.mark.skipif(
+    __import__("torch").cuda.is_available(), reason="checks the refusal where there is no GPU"
+)
+def test_check_on_cuda_without_a_gpu_says_so(capsys, tmp_path):
+    from labkit.tools.cli import main
+
+    nb = tmp_path / "x.ipynb"
+    nb.write_text("{}")
+    assert main(["check", "--device", "cuda", str(nb)]) == 2
+    err = capsys.readouterr().err
+    assert "--device cuda: torch" in err and "sees no GPU here" in err

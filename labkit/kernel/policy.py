@@ -52,6 +52,17 @@ def threads_per_rank(cpus: int | None, ranks_on_host: int, asked: int | None = N
     return max(1, (cpus or 1) // max(1, ranks_on_host))
 
 
+def default_device(device: str, env: Any = os.environ) -> str:
+    """`device`, or for "auto" the LABKIT_DEVICE environment variable where set: how
+    `labkit check --device cuda` runs unchanged notebooks, whose `Lab(4)` asks for "auto"."""
+    if device != "auto" or not env.get("LABKIT_DEVICE"):
+        return device
+    wanted = env["LABKIT_DEVICE"]
+    if wanted not in DEVICES:
+        raise ValueError(f"LABKIT_DEVICE must be one of {', '.join(DEVICES)}; got {wanted!r}")
+    return wanted
+
+
 def check_world_size(world_size: Any) -> int:
     limit = max_world_size()
     if isinstance(world_size, bool) or not isinstance(world_size, int):
