@@ -12,6 +12,8 @@ import json
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 CPU_LITERAL = re.compile(r"""(?<![\w.])(["'])cpu\1""")
 
@@ -88,3 +90,47 @@ def test_the_scan_finds_what_it_guards_against() -> None:
     assert findings(before) == before
     fine = [("labkit/parallel/x.py", "t.cpu().tolist()"), ("x.py", 'f"{device}:cpu"')]
     assert findings(fine) == []
+
+
+class _Reached(Exception):
+    """Raised by a stand-in once it has seen the device it was given."""
+
+
+def test_teaching_code_follows_a_device_that_is_not_the_cpu(monkeypatch) -> None:
+    # torch's "meta" device: tensors with shapes and no data, so no GPU and no ranks are needed
+    import torch
+    import torch.distributed as dist
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.pipelining as pipelining
+    from torch import nn
+
+    from labkit.parallel.data_parallel import make_mlp
+    from labkit.parallel.layer_split import module_device
+    from labkit.parallel.pipeline_parallel import torch_pipeline_step
+    from labkit.parallel.tensor_parallel import dtensor_mlp
+
+    meta = torch.device("meta")
+    assert {p.device for p in make_mlp(0, device=meta).parameters()} == {meta}
+    assert module_device(nn.Linear(2, 2, device=meta)) == meta
+    assert module_device(nn.ReLU()) == torch.device("cpu")  # no parameters: nothing to follow
+
+    seen = {}
+
+    def fake_mesh(device_type, shape, **kwargs):
+        seen["mesh"] = device_type
+        raise _Reached
+
+    def fake_stage(module, stage, num_stages, device, **kwargs):
+        seen["stage"] = device
+        raise _Reached
+
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 0)
+    monkeypatch.setattr(device_mesh, "init_device_mesh", fake_mesh)
+    monkeypatch.setattr(pipelining, "PipelineStage", fake_stage)
+    fc1, fc2 = nn.Linear(4, 8, device=meta), nn.Linear(8, 4, device=meta)
+    with pytest.raises(_Reached):
+        dtensor_mlp(fc1, fc2)
+    with pytest.raises(_Reached):
+        torch_pipeline_step(nn.Linear(4, 4, device=meta), None, None, nn.MSELoss(), 2)
+    assert seen == {"mesh": "meta", "stage": meta}
