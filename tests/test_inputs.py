@@ -123,6 +123,9 @@ def test_lab_rejects_bad_arguments_before_starting():
         labkit.Lab(2, backend="foo")
     with pytest.raises(ValueError, match="one GPU per rank"):
         labkit.Lab(2, backend="nccl")
+    if not __import__("torch").cuda.is_available():  # on a GPU machine this Lab would start
+        with pytest.raises(ValueError, match=r"needs a GPU, but torch sees none.*device='cpu'"):
+            labkit.Lab(2, device="cuda")
 
 
 def test_labkit_device_env_sets_the_default_device_only():
