@@ -85,7 +85,8 @@ def test_choose_says_why_ranks_share_or_stay_on_the_cpu():
     assert "one GPU per rank" in choose(2, "auto", "auto", facts(2)).reason
     assert "GPU" not in choose(4, "auto", "auto", facts(0)).reason
     # a GPU per rank but a torch without NCCL: the CPU, not CUDA tensors gloo cannot send
-    assert choose(2, "auto", "auto", facts(2, nccl=False)).device == "cpu"
+    no_nccl = choose(2, "auto", "auto", facts(2, nccl=False))
+    assert no_nccl.device == "cpu" and "this torch has no NCCL" in no_nccl.reason
     assert choose(None, "auto", "auto", facts(2)).world_size == 2  # a rank per GPU by default
     assert choose(None, "auto", "auto", facts(0)).world_size == 4
 

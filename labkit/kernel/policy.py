@@ -135,8 +135,9 @@ def _reason(
     else:
         where = f"{world_size} CPU ranks on {facts.get('cpus')} cores"
         if gpus:
+            why = "NCCL needs one per rank" if local > gpus else "this torch has no NCCL"
             where += (
-                f"; {gpus} GPU(s) per host for {local} ranks: NCCL needs one per rank, and "
-                "gloo lacks most ops on CUDA tensors (device='cuda' shares them anyway)"
+                f"; {gpus} GPU(s) per host for {local} ranks: {why}, and gloo lacks most ops "
+                "on CUDA tensors (device='cuda' puts the ranks on the GPUs anyway)"
             )
     return f"{backend} on {device}: {where}"
