@@ -108,6 +108,7 @@ def test_teaching_code_follows_a_device_that_is_not_the_cpu(monkeypatch) -> None
     from labkit.parallel.layer_split import module_device
     from labkit.parallel.pipeline_parallel import torch_pipeline_step
     from labkit.parallel.tensor_parallel import dtensor_mlp
+    from labkit.parallel.zero_redundancy import fully_shard_model
 
     meta = torch.device("meta")
     assert {p.device for p in make_mlp(0, device=meta).parameters()} == {meta}
@@ -134,3 +135,8 @@ def test_teaching_code_follows_a_device_that_is_not_the_cpu(monkeypatch) -> None
     with pytest.raises(_Reached):
         torch_pipeline_step(nn.Linear(4, 4, device=meta), None, None, nn.MSELoss(), 2)
     assert seen == {"mesh": "meta", "stage": meta}
+    # FSDP2's own default mesh is the machine's accelerator, whatever device the ranks use
+    seen.clear()
+    with pytest.raises(_Reached):
+        fully_shard_model(nn.Sequential(nn.Linear(4, 4, device=meta)))
+    assert seen == {"mesh": "meta"}
