@@ -27,12 +27,15 @@ def test_attached_ranks_follow_the_forked_rule_per_host() -> None:
     # 2 nodes x 2 ranks, 2 GPUs each: one GPU per rank on every node -> NCCL, as forked would
     two_by_two = {r: attach(r, f"node{r // 2}", gpus=2, nccl=True) for r in range(4)}
     c = choose_attached(4, "auto", "auto", two_by_two)
-    assert (c.backend, c.device) == ("nccl", "cuda")
+    assert (c.backend, c.device) == ("cpu:gloo,cuda:nccl", "cuda")
     assert c.reason.endswith("4 ranks attached from torchrun on node0, node1")
     assert c == choose_attached(4, "auto", "auto", two_by_two)  # a pure function
-    # the same job where one node has a single GPU: its two ranks share it -> gloo
+    # the same job where one node has a single GPU: too few for one each -> CPU ranks, gloo;
+    # asked for CUDA, its two ranks share the GPU with gloo
     short = {**two_by_two, **{r: attach(r, "node1", gpus=1, nccl=True) for r in (2, 3)}}
     c = choose_attached(4, "auto", "auto", short)
+    assert (c.backend, c.device) == ("gloo", "cpu")
+    c = choose_attached(4, "auto", "cuda", short)
     assert (c.backend, c.device) == ("gloo", "cuda")
     # no GPUs anywhere: CPU and gloo; asking for NCCL there is refused with the reason
     cpu = {r: attach(r, "node0") for r in range(4)}
@@ -43,7 +46,7 @@ def test_attached_ranks_follow_the_forked_rule_per_host() -> None:
 
 def test_ranks_per_host_decides_nccl_not_the_world_size() -> None:
     gpu4 = {"gpus": 4, "nccl": True, "cpus": 32}
-    assert choose(8, "auto", "auto", gpu4, ranks_per_host=4).backend == "nccl"
+    assert choose(8, "auto", "auto", gpu4, ranks_per_host=4).backend == "cpu:gloo,cuda:nccl"
     assert choose(8, "auto", "auto", gpu4).backend == "gloo"  # 8 ranks on one 4-GPU host
 
 

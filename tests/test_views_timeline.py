@@ -106,3 +106,41 @@ def test_static_html_and_empty_trace() -> None:
     assert "communication" in page and "all_reduce" in page and "<script" not in page
     empty = show_timeline([])
     assert empty.figures == [] and "no trace records" in empty.children[0].value
+
+
+def _gpu_records() -> list:
+    """The same trace as on CUDA: every call also carries its device time (CUDA events)."""
+    recs = _records()
+    for r, device in zip(recs, (None, 0.15, 0.25, None, 0.1, 0.35), strict=True):
+        if isinstance(r, CommRecord):
+            r.device_time = device
+    return recs
+
+
+def test_device_time_gets_its_own_track_per_rank() -> None:
+    view = show_timeline(_gpu_records())
+    dev = _trace(view, "device time")
+    assert list(dev.y) == pytest.approx([0.42, 0.42, 1.42, 1.42])  # under rank 0, rank 1
+    assert list(dev.x) == pytest.approx([150.0, 250.0, 100.0, 350.0])  # device ms, not host
+    assert list(dev.base) == pytest.approx([400.0, 700.0, 300.0, 600.0])  # the host call's start
+    assert dev.customdata[0][3:] == pytest.approx((150.0, 200.0))  # device vs host ms in hover
+    axis = view.figures[0].layout.yaxis
+    assert list(axis.ticktext) == ["rank 0", "rank 0 device", "rank 1", "rank 1 device"]
+    assert list(axis.tickvals) == pytest.approx([0, 0.42, 1, 1.42])
+    # the host bars are unchanged: device time sits beside host time, it does not replace it
+    assert list(_trace(view, "all_reduce").x) == pytest.approx([200.0, 300.0])
+
+
+def test_device_time_column_in_the_table() -> None:
+    view = show_timeline(_gpu_records())
+    assert view.device == pytest.approx({0: 0.4, 1: 0.45})
+    page = view.to_html()
+    assert "communication on the device" in page
+    assert "400.000 ms" in page and "450.000 ms" in page
+
+
+def test_cpu_records_have_no_device_track() -> None:
+    view = show_timeline(_records())  # device_time None, as on CPU ranks
+    assert "device time" not in [t.name for t in view.figures[0].data]
+    assert view.device == {} and "on the device" not in view.to_html()
+    assert list(view.figures[0].layout.yaxis.ticktext) == ["rank 0", "rank 1"]

@@ -30,12 +30,12 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
 
     path = os.path.join(tempfile.mkdtemp(prefix="labkit-exercise-"), "model.pt")
 
-    def task(rank: int) -> dict[str, Any]:
+    def task(rank: int, device: Any) -> dict[str, Any]:
         import time
 
         from labkit.parallel.data_parallel import make_mlp
 
-        model = make_mlp(seed=200 + rank)
+        model = make_mlp(seed=200 + rank, device=device)
         save, load, locations, saves = torch.save, torch.load, [], []
 
         def slow_save(*args: Any, **kwargs: Any) -> Any:
@@ -56,7 +56,7 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
             error = f"{type(exc).__name__}: {exc}"
         finally:
             torch.save, torch.load = save, load
-        weights = [p.detach().clone() for p in model.parameters()]
+        weights = [p.detach().cpu() for p in model.parameters()]
         torch.distributed.barrier()  # the checker's own: every rank is done with the file
         return {
             "weights": weights,

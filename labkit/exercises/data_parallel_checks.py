@@ -32,18 +32,18 @@ def check_average_gradients(lab: Any, fn: Callable[[Any], None]) -> Verdict:
     """`fn(model)` runs on every rank after backward on the rank's b = 128 / W samples; it must
     leave in every p.grad the gradient of the mean loss over all 128 samples (to 1e-6)."""
 
-    def task(rank: int, world_size: int) -> list[torch.Tensor]:
+    def task(rank: int, world_size: int, device: Any) -> list[torch.Tensor]:
         import torch.nn.functional as F
 
         from labkit.parallel.data_parallel import make_mlp
         from labkit.parallel.datasets import load_digits
 
-        X, y = load_digits()
+        X, y = (t.to(device) for t in load_digits())
         idx = torch.arange(GLOBAL_BATCH)[rank::world_size]
-        model = make_mlp(seed=0)
+        model = make_mlp(seed=0, device=device)
         F.cross_entropy(model(X[idx]), y[idx]).backward()
         fn(model)
-        return [p.grad.clone() for p in model.parameters()]
+        return [p.grad.cpu() for p in model.parameters()]  # compared on the kernel's CPU
 
     results, bad = run_on_ranks(lab, task)
     if bad is not None:
@@ -97,12 +97,12 @@ def check_max_replica_diff(lab: Any, fn: Callable[[Any], Any]) -> Verdict:
     """`fn(model)` runs on every rank and must return, on every rank, the largest
     max_r(w) - min_r(w) over all weights w of the replicas (0.0 when they are identical)."""
 
-    def task(rank: int, world_size: int) -> list[float]:
+    def task(rank: int, world_size: int, device: Any) -> list[float]:
         from labkit.parallel.data_parallel import make_mlp, replica_report
 
         out = []
         for case in ("same", "one_rank_off", "all_apart"):
-            model = make_mlp(seed=rank if case == "all_apart" else 0)
+            model = make_mlp(seed=rank if case == "all_apart" else 0, device=device)
             if case == "one_rank_off" and rank == world_size - 1:
                 with torch.no_grad():
                     model[2].bias[3] += 0.5
@@ -141,12 +141,12 @@ def check_broadcast_parameters(lab: Any, fn: Callable[[Any], None]) -> Verdict:
     """`fn(model)` runs on every rank, each with differently initialised weights, and must make
     every rank's parameters bit-identical to rank 0's (what DDP does when it is built)."""
 
-    def task(rank: int) -> list[torch.Tensor]:
+    def task(rank: int, device: Any) -> list[torch.Tensor]:
         from labkit.parallel.data_parallel import make_mlp
 
-        model = make_mlp(seed=100 + rank)
+        model = make_mlp(seed=100 + rank, device=device)
         fn(model)
-        return [p.detach().clone() for p in model.parameters()]
+        return [p.detach().cpu() for p in model.parameters()]
 
     results, bad = run_on_ranks(lab, task)
     if bad is not None:
@@ -189,21 +189,21 @@ def check_clip_global(lab: Any, fn: Callable[[list[Any], float], Any]) -> Verdic
     It runs twice: with max_norm 0.05 (below the gradient's norm: it clips) and 1000 (above
     it: the gradients must stay as they are)."""
 
-    def task(rank: int, world_size: int) -> list[dict[int, torch.Tensor]]:
+    def task(rank: int, world_size: int, device: Any) -> list[dict[int, torch.Tensor]]:
         import torch.nn.functional as F
 
         from labkit.parallel.data_parallel import make_mlp
         from labkit.parallel.datasets import load_digits
 
-        X, y = load_digits()
+        X, y = (t.to(device) for t in load_digits())
         out = []
         for max_norm in MAX_NORMS:
-            model = make_mlp(seed=1)
+            model = make_mlp(seed=1, device=device)
             F.cross_entropy(model(X[:GLOBAL_BATCH]), y[:GLOBAL_BATCH]).backward()
             params = list(model.parameters())
             mine = [p for i, p in enumerate(params) if i % world_size == rank]
             fn(mine, max_norm)
-            out.append({i: p.grad.clone() for i, p in enumerate(params) if i % world_size == rank})
+            out.append({i: p.grad.cpu() for i, p in enumerate(params) if i % world_size == rank})
         return out
 
     results, bad = run_on_ranks(lab, task)

@@ -23,7 +23,7 @@ from typing import Any
 
 from labkit.kernel.channel import Channel, Stuck
 from labkit.kernel.launcher import RankLauncher
-from labkit.kernel.policy import Choice, choose
+from labkit.kernel.policy import Choice, choose, default_device
 from labkit.kernel.results import LabError
 from labkit.wire.key_file import write_key_file
 from labkit.wire.messages import Exit, Init, Leave, Welcome
@@ -120,7 +120,8 @@ class TorchrunRanks(RankLauncher):
         if bad:
             raise LabError(f"torchrun started WORLD_SIZE={bad.popitem()[1]}, the lab wants {n}")
         try:
-            choice = choose_attached(self.world_size, self.backend, self.device, attaches)
+            device = default_device(self.device)
+            choice = choose_attached(self.world_size, self.backend, device, attaches)
         except ValueError as exc:
             raise LabError(f"the attached ranks cannot run as asked: {exc}") from None
         welcome = Welcome(

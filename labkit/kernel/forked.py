@@ -15,7 +15,7 @@ import time
 from labkit.kernel import spawn
 from labkit.kernel.channel import Channel
 from labkit.kernel.launcher import RankLauncher
-from labkit.kernel.policy import Choice, choose, threads_per_rank
+from labkit.kernel.policy import Choice, choose, default_device, threads_per_rank
 from labkit.wire.config import RankConfig
 from labkit.wire.messages import Init
 
@@ -51,7 +51,9 @@ class ForkedRanks(RankLauncher):
             self._server = spawn.take()
             self._server.on_exit = self._on_exit
         if self.choice is None or self.choice.world_size != self.requested[0]:
-            self.choice = choose(*self.requested, self._server.wait_facts())
+            world_size, backend, device = self.requested
+            device = default_device(device)
+            self.choice = choose(world_size, backend, device, self._server.wait_facts())
         self._spawn()
         return self.choice
 

@@ -1,7 +1,16 @@
 """Which backend and device a lab uses, and checks of what a user asked for (kernel side).
 
-Backend `nccl` when CUDA is present and there is a GPU per rank, otherwise `gloo`; rank r uses
-`cuda:(local_rank % gpus)` or `cpu`, so ranks that share one GPU still work (with gloo).
+The rule (`choose`, one for forked and attached ranks), per host of `local` ranks and `gpus`:
+
+- no GPU: every rank on the CPU with gloo;
+- a GPU per rank (`gpus >= local`): rank r on `cuda:(local_rank % gpus)`, backend
+  "cpu:gloo,cuda:nccl": NCCL for CUDA tensors, gloo for CPU tensors and object collectives
+  (the exercise checkers gather CPU tensors and Python objects);
+- more ranks than GPUs (4 ranks on 1 GPU in a workshop): NCCL refuses two ranks on one GPU, and
+  gloo runs only broadcast and all_reduce on CUDA tensors (torch.distributed's "Backends"
+  table: no send/recv, all_gather, gather, scatter, reduce_scatter, all_to_all), so by default
+  the ranks stay on the CPU with gloo and every notebook works; `device="cuda"` puts them on the
+  shared GPU(s) anyway, with gloo, and the reason says which ops that leaves.
 """
 
 from __future__ import annotations
@@ -43,6 +52,17 @@ def threads_per_rank(cpus: int | None, ranks_on_host: int, asked: int | None = N
     return max(1, (cpus or 1) // max(1, ranks_on_host))
 
 
+def default_device(device: str, env: Any = os.environ) -> str:
+    """`device`, or for "auto" the LABKIT_DEVICE environment variable where set: how
+    `labkit check --device cuda` runs unchanged notebooks, whose `Lab(4)` asks for "auto"."""
+    if device != "auto" or not env.get("LABKIT_DEVICE"):
+        return device
+    wanted = env["LABKIT_DEVICE"]
+    if wanted not in DEVICES:
+        raise ValueError(f"LABKIT_DEVICE must be one of {', '.join(DEVICES)}; got {wanted!r}")
+    return wanted
+
+
 def check_world_size(world_size: Any) -> int:
     limit = max_world_size()
     if isinstance(world_size, bool) or not isinstance(world_size, int):
@@ -76,21 +96,48 @@ def choose(
         world_size = gpus or 4
     world_size = check_world_size(world_size)
     local = ranks_per_host or world_size
+    nccl = bool(facts.get("nccl"))
     if device == "cuda" and gpus == 0:
-        raise ValueError("device='cuda' needs a GPU, but torch sees none here; use device='cpu'")
-    if device == "auto":
-        device = "cuda" if gpus else "cpu"
-    if backend == "nccl":
-        if device != "cuda" or gpus < local or not facts.get("nccl"):
-            raise ValueError(
-                f"backend='nccl' needs one GPU per rank: {local} ranks per host, "
-                f"GPUs {gpus}, NCCL {'built' if facts.get('nccl') else 'missing'}; "
-                "use backend='gloo' (ranks can share a GPU with gloo)"
-            )
-    if backend == "auto":
-        backend = "nccl" if device == "cuda" and gpus >= local and facts.get("nccl") else "gloo"
+        raise ValueError(
+            "device='cuda' needs a GPU, but torch sees none here "
+            f"(torch {facts.get('torch', '?')}, CUDA build {facts.get('cuda') or 'none'}); "
+            f"available: device='cpu' ({facts.get('cpus')} cores) with backend='gloo'"
+        )
+    if device == "auto":  # CUDA only where NCCL can serve it: gloo lacks most ops on CUDA
+        device = "cuda" if local <= gpus and nccl and backend != "gloo" else "cpu"
+    if backend == "nccl" and (device != "cuda" or gpus < local or not nccl):
+        raise ValueError(
+            f"backend='nccl' needs one GPU per rank: {local} ranks per host, "
+            f"GPUs {gpus}, NCCL {'built' if nccl else 'missing'}; "
+            "use backend='gloo' (ranks can share a GPU with gloo)"
+        )
+    if backend in ("auto", "nccl"):
+        backend = MIXED if device == "cuda" and gpus >= local and nccl else "gloo"
+    return Choice(
+        world_size, backend, device, gpus, _reason(world_size, local, backend, device, gpus, facts)
+    )
+
+
+MIXED = "cpu:gloo,cuda:nccl"  # NCCL for CUDA tensors, gloo for CPU tensors and objects
+
+
+def _reason(
+    world_size: int, local: int, backend: str, device: str, gpus: int, facts: dict[str, Any]
+) -> str:
     if device == "cuda":
-        share = f"{local} ranks on {gpus} GPU(s)" + (", sharing" if local > gpus else "")
+        share = f"{local} ranks sharing {gpus} GPU(s)" if local > gpus else "one GPU per rank"
+        where = share
+        if backend == "gloo":
+            where += (
+                "; gloo runs only broadcast and all_reduce on CUDA tensors (no send/recv, "
+                "all_gather, scatter...): move tensors to the CPU for the others"
+            )
     else:
-        share = f"{world_size} CPU ranks on {facts.get('cpus')} cores"
-    return Choice(world_size, backend, device, gpus, f"{backend} on {device}: {share}")
+        where = f"{world_size} CPU ranks on {facts.get('cpus')} cores"
+        if gpus:
+            why = "NCCL needs one per rank" if local > gpus else "this torch has no NCCL"
+            where += (
+                f"; {gpus} GPU(s) per host for {local} ranks: {why}, and gloo lacks most ops "
+                "on CUDA tensors (device='cuda' puts the ranks on the GPUs anyway)"
+            )
+    return f"{backend} on {device}: {where}"

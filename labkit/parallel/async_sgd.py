@@ -40,8 +40,14 @@ PULL, PUSH, DONE, PARAMS = 0, 1, 2, 3
 SERVER = 0
 
 
+# Headers stay on the CPU whatever the lab's device: the server receives them from any source,
+# which gloo does and NCCL does not ("cpu:gloo,cuda:nccl" sends CPU tensors through gloo);
+# the weights and gradients travel on the model's device.
+HEADER_DEVICE = torch.device("cpu")
+
+
 def _header(kind: int, version: int) -> torch.Tensor:
-    return torch.tensor([kind, version], dtype=torch.int64)
+    return torch.tensor([kind, version], dtype=torch.int64, device=HEADER_DEVICE)
 
 
 def _serve(
@@ -58,7 +64,7 @@ def _serve(
 
     evaluate()
     start = time.perf_counter()
-    header = torch.empty(2, dtype=torch.int64)
+    header = torch.empty(2, dtype=torch.int64, device=HEADER_DEVICE)
     grad = torch.empty_like(w)
     while done < num_workers:
         src = dist.recv(header)  # from any worker: arrival order decides
@@ -94,7 +100,7 @@ def _work(
     rank, world_size = dist.get_rank(), dist.get_world_size()
     shard = partition(len(X), world_size - 1, rank - 1, seed)
     w = parameters_to_vector(model.parameters()).detach().clone()
-    reply = torch.empty(2, dtype=torch.int64)
+    reply = torch.empty(2, dtype=torch.int64, device=HEADER_DEVICE)
     losses: list[float] = []
     epoch, queue = 0, []
     for _ in range(steps):

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.parallel.layer_split import module_device
+
 __all__ = ["load_checkpoint", "save_checkpoint", "state_equal", "verify_reload"]
 
 
@@ -67,8 +69,7 @@ def load_checkpoint(
     map_location defaults to the device of the model's first parameter.
     """
     if map_location is None:
-        first = next(_unwrap(model).parameters(), None)
-        map_location = first.device if first is not None else "cpu"
+        map_location = module_device(_unwrap(model))
     state = torch.load(path, map_location=map_location, weights_only=True)
     _unwrap(model).load_state_dict(state["model"])
     if optimizer is not None:
@@ -102,9 +103,10 @@ def verify_reload(
 ) -> bool:
     """True when the file at `path` holds exactly this rank's current model (and optimizer) state.
 
-    Needs no collective. Loads to the CPU, so it is safe to call on any rank.
+    Needs no collective. Loads onto the device of the model's first parameter (this rank's
+    device, whichever rank saved the file), so it is safe to call on any rank.
     """
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    state = torch.load(path, map_location=module_device(_unwrap(model)), weights_only=True)
     ok = state_equal(state["model"], _unwrap(model).state_dict())
     if optimizer is not None:
         ok = ok and state_equal(state["optimizer"], optimizer.state_dict())

@@ -61,13 +61,17 @@ MISTAKES: tuple[str | None, ...] = (
 Optimizer = Literal["sgd", "adam"]
 
 
-def make_mlp(seed: int, hidden: int = 32) -> nn.Sequential:
-    """A 64 -> hidden -> 10 MLP for the digits, initialised from `seed` (global RNG untouched)."""
+def make_mlp(
+    seed: int, hidden: int = 32, device: torch.device | str | None = None
+) -> nn.Sequential:
+    """A 64 -> hidden -> 10 MLP for the digits, initialised from `seed` (global RNG untouched),
+    then moved to `device` (the lab's `device`): the same weights on every device."""
     if hidden < 1:
         raise ValueError(f"hidden must be >= 1, got {hidden}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+        model = nn.Sequential(nn.Linear(64, hidden), nn.ReLU(), nn.Linear(hidden, 10))
+    return model.to(device)
 
 
 def _reinit(model: nn.Module, seed: int) -> None:
@@ -205,6 +209,7 @@ def train_sync_sgd(
                     len(idx),
                 ],
                 dtype=torch.float64,
+                device=logits.device,
             )
             dist.all_reduce(stats)
             step += 1
@@ -289,8 +294,9 @@ def replica_report(model: nn.Module, group: dist.ProcessGroup | None = None) -> 
     crc = 0
     for p in params:
         crc = zlib.crc32(p.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes(), crc)
-    crcs = [torch.zeros(1, dtype=torch.int64) for _ in range(world_size)]
-    dist.all_gather(crcs, torch.tensor([crc], dtype=torch.int64), group=group)
+    mine = torch.tensor([crc], dtype=torch.int64, device=params[0].device)
+    crcs = [torch.zeros_like(mine) for _ in range(world_size)]
+    dist.all_gather(crcs, mine, group=group)
     flat = torch.cat([p.detach().reshape(-1) for p in params])
     gathered = [torch.empty_like(flat) for _ in range(world_size)]
     dist.all_gather(gathered, flat, group=group)

@@ -26,6 +26,11 @@ def _grads(params: Iterable[torch.Tensor]) -> list[torch.Tensor]:
     return [p.grad for p in params if p.grad is not None]
 
 
+def _device(grads: Sequence[torch.Tensor]) -> torch.device:
+    """Where the norm is summed: the gradients' device (a rank with none: the CPU)."""
+    return grads[0].device if grads else torch.device("cpu")  # no gradients: nothing to follow
+
+
 def global_grad_norm(
     params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
@@ -38,7 +43,7 @@ def global_grad_norm(
     grads = _grads(params)
     local_sq = sum(
         (g.detach().double().pow(2).sum() for g in grads),
-        torch.zeros((), dtype=torch.float64),
+        torch.zeros((), dtype=torch.float64, device=_device(grads)),
     )
     dist.all_reduce(local_sq, group=group)
     return local_sq.sqrt()
@@ -81,7 +86,7 @@ def clip_grad_norm_local(params: Iterable[torch.Tensor], max_norm: float) -> tor
     total = torch.sqrt(
         sum(
             (g.detach().double().pow(2).sum() for g in grads),
-            torch.zeros((), dtype=torch.float64),
+            torch.zeros((), dtype=torch.float64, device=_device(grads)),
         )
     )
     _scale(grads, total, max_norm)

@@ -32,6 +32,7 @@ __all__ = [
     "all_reduce_gradients",
     "forward_backward_step",
     "grid_groups",
+    "module_device",
     "recv_tensor",
     "send_tensor",
     "split_boundaries",
@@ -76,6 +77,12 @@ def split_sequential(
     return [model[a:b] for a, b in itertools.pairwise(boundaries)]
 
 
+def module_device(module: nn.Module) -> torch.device:
+    """The device of `module`'s first parameter (a stage's activations live there), else CPU."""
+    first = next(module.parameters(), None)
+    return first.device if first is not None else torch.device("cpu")  # no parameters: CPU
+
+
 def _global(group: dist.ProcessGroup | None, group_rank: int) -> int:
     return group_rank if group is None else dist.get_global_rank(group, group_rank)
 
@@ -98,7 +105,7 @@ def send_tensor(
     peer, data = _global(group, dst), tensor.detach().contiguous()
     works = []
     if header:
-        head = torch.zeros(MAX_DIMS + 1, dtype=torch.int64)
+        head = torch.zeros(MAX_DIMS + 1, dtype=torch.int64, device=data.device)
         head[0] = data.dim()
         head[1 : 1 + data.dim()] = torch.tensor(data.shape, dtype=torch.int64)
         works.append(dist.isend(head, peer, group=group, tag=2 * tag))
@@ -112,14 +119,16 @@ def recv_tensor(
     tag: int = 0,
     shape: torch.Size | tuple[int, ...] | None = None,
     dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
 ) -> torch.Tensor:
-    """Receive a tensor from group rank `src` (blocking); its shape from a header unless given."""
+    """Receive a tensor from group rank `src` (blocking) onto `device` (default: the CPU; the
+    sender's header went from the same kind of device); its shape from a header unless given."""
     peer = _global(group, src)
     if shape is None:
-        head = torch.empty(MAX_DIMS + 1, dtype=torch.int64)
+        head = torch.empty(MAX_DIMS + 1, dtype=torch.int64, device=device)
         dist.recv(head, peer, group=group, tag=2 * tag)
         shape = tuple(head[1 : 1 + int(head[0])].tolist())
-    out = torch.empty(shape, dtype=dtype)
+    out = torch.empty(shape, dtype=dtype, device=device)
     dist.recv(out, peer, group=group, tag=2 * tag + 1)
     return out
 
@@ -142,7 +151,8 @@ def forward_backward_step(
     first, last = stage == 0, stage == num_stages - 1
     if first and x is None or last and y is None:
         raise ValueError("the first stage needs x and the last stage needs y")
-    inp = x if first else recv_tensor(stage - 1, group).requires_grad_()
+    device = module_device(stage_module)
+    inp = x if first else recv_tensor(stage - 1, group, device=device).requires_grad_()
     out = stage_module(inp)
     if last:
         loss = loss_fn(out, y)
@@ -150,7 +160,7 @@ def forward_backward_step(
     else:
         for work in send_tensor(out, stage + 1, group):
             work.wait()
-        grad = recv_tensor(stage + 1, group, shape=out.shape, dtype=out.dtype)
+        grad = recv_tensor(stage + 1, group, shape=out.shape, dtype=out.dtype, device=device)
         out.backward(grad)
     if not first:
         # The receiver knows the gradient's shape: it is that of the activation it sent.

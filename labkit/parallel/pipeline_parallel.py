@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from labkit.parallel.layer_split import LossFn, recv_tensor, send_tensor
+from labkit.parallel.layer_split import LossFn, module_device, recv_tensor, send_tensor
 from labkit.wire.records import SpanRecord
 
 __all__ = [
@@ -208,10 +208,11 @@ def pipeline_step(
     sends: list[dist.Work] = []
     losses: list[torch.Tensor] = []
     result = PipelineResult(loss=None)
-    rank = dist.get_rank()
+    rank, device = dist.get_rank(), module_device(stage_module)
     for kind, j in stage_order(num_stages, m, stage, schedule):
         if kind == "F":
-            inp = xs[j] if first else recv_tensor(stage - 1, group, tag=j).requires_grad_()
+            inp = xs[j] if first else recv_tensor(stage - 1, group, tag=j, device=device)
+            inp.requires_grad_()
             start = _clock()
             out = stage_module(inp)
             if last:
@@ -221,7 +222,11 @@ def pipeline_step(
             result.peak_in_flight = max(result.peak_in_flight, len(outputs))
         else:
             inp, out = inputs.pop(j), outputs.pop(j)
-            grad = None if last else recv_tensor(stage + 1, group, tag=j, shape=out.shape)
+            grad = (
+                None
+                if last
+                else recv_tensor(stage + 1, group, tag=j, shape=out.shape, device=device)
+            )
             start = _clock()
             out.backward(grad)
         result.events.append(StageEvent(stage, rank, kind, j, start, _clock()))
@@ -256,7 +261,8 @@ def torch_pipeline_step(
 
     stage, num_stages = dist.get_rank(group), dist.get_world_size(group)
     _check(num_stages, num_microbatches, schedule)
-    pipe_stage = PipelineStage(stage_module, stage, num_stages, torch.device("cpu"), group=group)
+    device = module_device(stage_module)
+    pipe_stage = PipelineStage(stage_module, stage, num_stages, device, group=group)
     cls = ScheduleGPipe if schedule == "gpipe" else Schedule1F1B
     runner = cls(pipe_stage, n_microbatches=num_microbatches, loss_fn=loss_fn)
     losses: list[torch.Tensor] = []

@@ -52,7 +52,9 @@ def sync_batch_norm(
     """
     if x.dim() != 2:
         raise ValueError(f"x must be 2-D (batch, channels), got shape {tuple(x.shape)}")
-    count = _AllReduceSum.apply(torch.tensor([float(x.shape[0])], dtype=x.dtype), group)
+    count = _AllReduceSum.apply(
+        torch.tensor([float(x.shape[0])], dtype=x.dtype, device=x.device), group
+    )
     mean = _AllReduceSum.apply(x.sum(0), group) / count
     var = _AllReduceSum.apply((x - mean).pow(2).sum(0), group) / count
     out = (x - mean) / torch.sqrt(var + eps)

@@ -261,7 +261,8 @@ def dtensor_mlp(
     """The same MLP as ParallelMLP, built by torch: parallelize_module with Colwise/Rowwise.
 
     Runs on every rank of the mesh; every rank must call it. The weights become DTensors
-    sharded over the 1-D `mesh` (default: a CPU mesh over the whole default group).
+    sharded over the 1-D `mesh` (default: a mesh over the whole default group, of the device
+    type of `fc1`'s weight: a CUDA mesh for a model on the GPU, a CPU one for a model on the CPU).
     """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import (
@@ -271,7 +272,7 @@ def dtensor_mlp(
     )
 
     if mesh is None:
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        mesh = init_device_mesh(fc1.weight.device.type, (dist.get_world_size(),))
     act = activation if activation is not None else nn.GELU()
     model = nn.Sequential(copy.deepcopy(fc1), act, copy.deepcopy(fc2))
     return parallelize_module(model, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})

@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.parallel.layer_split import module_device
+
 __all__ = [
     "Zero1Optimizer",
     "adam_bytes_breakdown",
@@ -100,7 +102,9 @@ class Zero1Optimizer:
         self.rank = dist.get_rank(group)
         total = sum(p.numel() for p in self.params)
         self.shard_size = math.ceil(total / self.world_size)
-        self.flat = torch.zeros(self.shard_size * self.world_size, dtype=dtypes.pop())
+        self.flat = torch.zeros(
+            self.shard_size * self.world_size, dtype=dtypes.pop(), device=self.params[0].device
+        )
         offset = 0
         with torch.no_grad():
             for p in self.params:
@@ -167,17 +171,22 @@ def measure_state_bytes(
     return out
 
 
-def fully_shard_model(model: nn.Module) -> nn.Module:
+def fully_shard_model(model: nn.Module, mesh: Any = None) -> nn.Module:
     """Shard `model` with FSDP2 (ZeRO-3): each child with weights, then the root.
 
     Runs on every rank; every rank must call it. Works on CPU with gloo in torch 2.13 (checked
     by the tests): parameters become DTensors sharded on dim 0 over all ranks, gathered for
-    each forward/backward and re-sharded after; gradients are reduce-scattered.
+    each forward/backward and re-sharded after; gradients are reduce-scattered. `mesh`
+    defaults to one over the default group of the model's device type: torch's own default is
+    the machine's accelerator, a CUDA mesh even for CPU ranks that share a GPU with gloo.
     """
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
+    if mesh is None:
+        mesh = init_device_mesh(module_device(model).type, (dist.get_world_size(),))
     for child in model.children():
         if any(True for _ in child.parameters()):
-            fully_shard(child)
-    fully_shard(model)
+            fully_shard(child, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     return model

@@ -56,11 +56,32 @@ def run_notebook(path: str, timeout: int = 600) -> tuple[bool, float, str]:
         return False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
 
 
+def gpu_problem(device: str) -> str | None:
+    """Why `--device cuda` cannot run here (None when it can, or for another device)."""
+    if device != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return (
+            f"--device cuda: torch {torch.__version__} sees no GPU here "
+            f"(CUDA build {torch.version.cuda or 'none'}); run it on a GPU machine"
+        )
+    return None
+
+
 def cmd_check(args: argparse.Namespace) -> int:
     paths = args.notebooks or sorted(glob.glob(os.path.join(notebooks_dir(), "*.ipynb")))
     if not paths:
         print("no notebooks found", file=sys.stderr)
         return 2
+    problem = gpu_problem(args.device)
+    if problem:
+        print(problem, file=sys.stderr)
+        return 2
+    if args.device != "auto":
+        os.environ["LABKIT_DEVICE"] = args.device  # every Lab(...) asking for "auto" gets it
+        print(f"notebooks on device={args.device} (LABKIT_DEVICE)", flush=True)
     width = max(len(os.path.basename(p)) for p in paths)
     failed = 0
     for path in paths:
@@ -116,6 +137,12 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("check", help="run every notebook headless and print a pass/fail table")
     p.add_argument("notebooks", nargs="*", help="the notebooks to run (default: all)")
     p.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="the device of every Lab that asks for 'auto' (default: the policy's choice)",
+    )
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("doctor", help="torch, backends, GPUs and what Lab() would choose")
     p.set_defaults(fn=cmd_doctor)

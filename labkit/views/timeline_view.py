@@ -9,6 +9,12 @@ communication and idle time over the common window [earliest start, latest end] 
     comm    = length of the union of the rank's comm intervals
     compute = length of the union of its spans, less the time also inside a comm call
     idle    = window - length of the union of everything it did
+
+On CUDA a call's record also carries `device_time` (CUDA events around it on the current
+stream; None on CPU). Those calls get a second, thinner track under their rank, "rank r
+device", with a bar of the device time: CUDA events measure a duration, not a clock time, so
+the bar starts where the host call started (the kernel may run later than it is issued). The
+table then adds each rank's summed device time beside its host communication time.
 """
 
 from __future__ import annotations
@@ -33,7 +39,7 @@ from labkit.views._common import (
 from labkit.views.bandwidth import algbw, busbw_factor
 from labkit.wire.records import CommRecord, SpanRecord
 
-__all__ = ["TimelineView", "show_timeline", "timeline_summary"]
+__all__ = ["TimelineView", "device_times", "show_timeline", "timeline_summary"]
 
 Interval = tuple[float, float]
 
@@ -123,6 +129,39 @@ def _span_trace(spans: list[SpanRecord], t0: float) -> go.Bar:
     )
 
 
+DEVICE_OFFSET = 0.42  # the device track sits just under its rank's row
+DEVICE_COLOUR = "#8c564b"
+
+
+def _device_trace(recs: list[CommRecord], t0: float) -> go.Bar:
+    """Device time of calls measured with CUDA events, one bar each on the rank's device track."""
+    return go.Bar(
+        orientation="h",
+        name="device time",
+        y=[r.rank + DEVICE_OFFSET for r in recs],
+        base=[(r.start - t0) * 1e3 for r in recs],
+        x=[(r.device_time or 0.0) * 1e3 for r in recs],
+        width=0.2,
+        marker_color=DEVICE_COLOUR,
+        customdata=[[r.op, r.seq, r.rank, (r.device_time or 0.0) * 1e3, r.duration * 1e3]
+                    for r in recs],
+        hovertemplate=(
+            "<b>%{customdata[0]}</b> #%{customdata[1]} rank %{customdata[2]}, on the device"
+            "<br>device %{customdata[3]:.3f} ms (host %{customdata[4]:.3f} ms)"
+            "<br>drawn from the host call's start<extra></extra>"
+        ),
+    )  # fmt: skip
+
+
+def device_times(records: list[Record]) -> dict[int, float]:
+    """Per rank that has any: the summed `device_time` (seconds) of its calls."""
+    out: dict[int, float] = {}
+    for r in records:
+        if isinstance(r, CommRecord) and r.device_time is not None:
+            out[r.rank] = out.get(r.rank, 0.0) + r.device_time
+    return out
+
+
 def _idle_trace(records: list[Record], t0: float) -> go.Bar:
     window = (t0, max(r.end for r in records))
     ys, bases, widths = [], [], []
@@ -153,7 +192,13 @@ def timeline_figure(records: list[Record]) -> go.Figure:
     for op in sorted({r.op for r in comms}):
         traces.append(_comm_trace(op, [r for r in comms if r.op == op], t0))
     traces.append(_idle_trace(records, t0))
+    timed = [r for r in comms if r.device_time is not None]
+    if timed:
+        traces.append(_device_trace(timed, t0))
     ranks = sorted({r.rank for r in records})
+    ticks = [(float(r), f"rank {r}") for r in ranks]
+    ticks += [(r + DEVICE_OFFSET, f"rank {r} device") for r in sorted({r.rank for r in timed})]
+    ticks.sort()
     fig = go.Figure(traces)
     fig.update_layout(
         barmode="overlay",
@@ -163,16 +208,24 @@ def timeline_figure(records: list[Record]) -> go.Figure:
         xaxis_ticksuffix=" ms",
         legend={"orientation": "h", "y": -0.2, "yanchor": "top"},
     )
-    fig.update_yaxes(tickvals=ranks, ticktext=[f"rank {r}" for r in ranks], autorange="reversed")
+    fig.update_yaxes(
+        tickvals=[t for t, _ in ticks], ticktext=[s for _, s in ticks], autorange="reversed"
+    )
     return fig
 
 
-def _summary_rows(summary: dict[int, dict[str, float]]) -> list[list[str]]:
-    return [
+def _summary_rows(
+    summary: dict[int, dict[str, float]], device: dict[int, float] | None = None
+) -> list[list[str]]:
+    rows = [
         [str(rank)]
         + [f"{row[k] * 1e3:.3f} ms ({row[k + '_pct']:.0f}%)" for k in ("compute", "comm", "idle")]
         for rank, row in summary.items()
     ]
+    if device:  # a column only where some call was timed on a GPU
+        for row, rank in zip(rows, summary, strict=True):
+            row.append(f"{device[rank] * 1e3:.3f} ms" if rank in device else "-")
+    return rows
 
 
 class TimelineView(View):
@@ -185,12 +238,15 @@ class TimelineView(View):
         self.records = records
         self.warning = warning
         self.summary = timeline_summary(records)
+        self.device = device_times(records)
+        self.headers = self.HEADERS + (("communication on the device",) if self.device else ())
         children: list[widgets.Widget] = []
         if warning:
             children.append(widgets.HTML(warning_html(warning)))
         if records:
             children.append(self.add_figure(timeline_figure(records)))
-            table = html_table(self.HEADERS, _summary_rows(self.summary), "time per rank")
+            rows = _summary_rows(self.summary, self.device)
+            table = html_table(self.headers, rows, "time per rank")
             children.append(widgets.HTML(table))
         else:
             children.append(widgets.HTML("<i>no trace records</i>"))
@@ -198,7 +254,8 @@ class TimelineView(View):
 
     def to_html(self) -> str:
         parts = [warning_html(self.warning)] if self.warning else []
-        parts.append(html_table(self.HEADERS, _summary_rows(self.summary), "time per rank"))
+        rows = _summary_rows(self.summary, self.device)
+        parts.append(html_table(self.headers, rows, "time per rank"))
         calls = [
             [r.rank, r.op, r.seq, r.bytes, f"{r.duration * 1e3:.3f} ms"]
             for r in self.records

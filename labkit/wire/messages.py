@@ -139,7 +139,7 @@ class Welcome(TypedDict):
     type: Literal["welcome"]
     gen: int
     side: str  # the side endpoint, "tcp://HOST:PORT" (the rank puts in the host it reached)
-    backend: str  # "gloo" or "nccl", chosen by the kernel (policy.choose) for every rank
+    backend: str  # "gloo" or "cpu:gloo,cuda:nccl", chosen by the kernel (policy.choose)
     device: str  # "cpu" or "cuda"
     pg_timeout: float
 
