@@ -232,9 +232,11 @@ class TorchrunRanks(RankLauncher):
         for r in sorted(pending):
             seen = self.channel.status.get(r, {}).get("received", started)
             if now - max(seen, started) > HEARTBEAT_LOST:
+                host = self.info.get(r, {}).get("host", "its node")
                 raise Stuck(
-                    f"rank {r} sent no heartbeat for {HEARTBEAT_LOST:.0f} s: its process "
-                    "may have died (see torchrun's output on its node)"
+                    f"rank {r} (on {host}) sent no heartbeat for {HEARTBEAT_LOST:.0f} s: its "
+                    "process, or its node, died or hangs (see torchrun's output there)",
+                    died=r,
                 )
 
     def abandon(self, why: str) -> None:

@@ -339,7 +339,7 @@ class Lab:
             self.restart()
             note = recovery_note(outcome, t0 - outcome.started, time.monotonic() - t0, cannot or "")
         assert outcome.stuck is not None
-        if outcome.errors and (cannot or outcome.stuck.died is None):
+        if outcome.errors and outcome.stuck.died is None:  # else the death is the root cause
             raise RemoteError(outcome.errors, note)
         raise LabError(note)
 
