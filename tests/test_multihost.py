@@ -17,10 +17,12 @@ nothing leaves the machine (the subnet has no route out). Every process is start
 by pid. Where namespaces cannot be made (not root, no `ip`, a container without
 CAP_NET_ADMIN), the tests skip and say why.
 
-Checked: cells run on both hosts (each sees its own host name), a collective, pull/push,
-tracing with each rank's clock offset measured, Stop, a node that dies (its processes
-killed: the cell stops naming that rank, the notebook gets control back, and the other
-node's ranks leave), and a kernel that dies (every rank on every node exits).
+Checked: the notebook's side listens only on the bridge's address; cells run on both hosts
+(each sees its own host name), a collective, pull/push, tracing with each rank's clock offset
+measured, Stop (with every CPU busy), a node that dies (its processes killed, every CPU busy:
+the cell stops naming that rank and its host as the root cause, the notebook gets control
+back, and the other node's rank leaves), and a kernel that dies (every rank on every node
+exits).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pathlib import Path
 import pytest
 from processes import alive, key, subtree, wait_gone
 from test_attach import end, wait_all
+from test_security import LOOPBACK, _listening
 
 import labkit
 from labkit import LabError
@@ -173,6 +176,10 @@ def test_the_printed_command_is_what_each_host_runs(hosts, lab):
         f"{lab.endpoint.rsplit(':', 1)[1]} --key-file {lab.key_file}"
     )
     assert lab.channel.endpoint("ctrl").startswith(f"tcp://{hosts.lab_addr}:")
+    # the notebook's side listens on the bridge's address only (and loopback, nothing else)
+    bridge = "".join(f"{int(b):02X}" for b in reversed(hosts.lab_addr.split(".")))
+    listening = {addr for addr, _ in _listening([os.getpid()])}
+    assert listening and listening <= LOOPBACK | {bridge}, listening
     assert "attached from torchrun on node0, node1" in lab.choice.reason
 
 
@@ -213,7 +220,7 @@ def test_tracing_across_hosts_has_each_ranks_clock_offset(lab):
     assert all(t0 - 0.5 <= r.start <= r.end <= t1 + 0.5 for r in recs), recs
 
 
-def test_stop_reaches_both_hosts(lab):
+def test_stop_reaches_both_hosts(lab, cpu_load):
     lab.run("kept = rank + 40")
     timer = threading.Timer(1.0, _thread.interrupt_main)
     timer.start()
@@ -239,7 +246,7 @@ def ranks_of(proc: subprocess.Popen) -> set:
     return out
 
 
-def test_a_node_that_dies_is_named_and_the_notebook_gets_control_back(hosts):
+def test_a_node_that_dies_is_named_and_the_notebook_gets_control_back(hosts, cpu_load):
     lab = attach_lab(hosts)
     procs = [hosts.start(lab.command, i) for i in range(NODES)]
     try:
