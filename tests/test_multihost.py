@@ -5,19 +5,22 @@ The test builds, and removes at teardown whatever happens:
 
 - a bridge `<tag>br` with address 10.213.X.1/24 in the root namespace (the notebook's host,
   `labhost`), X chosen free on this machine;
-- per node i (0, 1) a namespace `<tag>n<i>` holding one end of a veth pair (10.213.X.1<i>/24)
+- per host i (0, 1, 2) a namespace `<tag>n<i>` holding one end of a veth pair (10.213.X.1<i>/24)
   whose other end is on the bridge, and `/etc/netns/<tag>n<i>/hosts` naming labhost, node0 and
   node1 (`ip netns exec` mounts it over /etc/hosts).
 
 Each node's torchrun runs as `ip netns exec NS unshare --uts sh -c 'hostname node<i>; exec
 "$@"' sh <the printed command>`: its own address, host name and name lookup, as on a cluster
 (torchrun's rendezvous on node0, gloo between 10.213.X.11 and .12). The lab binds only
-10.213.X.1 (only because the test asks: `host=`) and accepts only 10.213.X.0/24 (`allow=`);
-nothing leaves the machine (the subnet has no route out). Every process is started and ended
-by pid. Where namespaces cannot be made (not root, no `ip`, a container without
-CAP_NET_ADMIN), the tests skip and say why.
+10.213.X.1 (only because the test asks: `host=`) and accepts only the two nodes' addresses
+(`allow=`); nothing leaves the machine (the subnet has no route out). Every process is
+started and ended by pid. Where namespaces cannot be made (not root, no `ip`, a container
+without CAP_NET_ADMIN), the tests skip and say why.
 
-Checked: the notebook's side listens only on the bridge's address; cells run on both hosts
+The third namespace (10.213.X.13) is a host the lab does not allow.
+
+Checked: the notebook's side listens only on the bridge's address; a message from the third
+host is rejected (even signed with the key) and warned of; cells run on both hosts
 (each sees its own host name), a collective, pull/push, tracing with each rank's clock offset
 measured, Stop (with every CPU busy), a node that dies (its processes killed, every CPU busy:
 the cell stops naming that rank and its host as the root cause, the notebook gets control
@@ -46,7 +49,7 @@ from test_attach import end, wait_all
 from test_security import LOOPBACK, _listening
 
 import labkit
-from labkit import LabError
+from labkit import LabError, LabkitWarning
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -74,9 +77,9 @@ class Hosts:
     def __init__(self) -> None:
         self.x = _free_subnet()
         self.bridge = f"{TAG}br"
-        self.ns = [f"{TAG}n{i}" for i in range(NODES)]
+        self.ns = [f"{TAG}n{i}" for i in range(NODES + 1)]  # the last: a host not allowed
         self.lab_addr = f"10.213.{self.x}.1"
-        self.addr = [f"10.213.{self.x}.{11 + i}" for i in range(NODES)]
+        self.addr = [f"10.213.{self.x}.{11 + i}" for i in range(NODES + 1)]
         self.logs = tempfile.mkdtemp(prefix=f"{TAG}-logs-")
 
     def up(self) -> None:
@@ -149,7 +152,7 @@ def attach_lab(h: Hosts, **kw) -> labkit.Lab:
         host=h.lab_addr,
         nnodes=NODES,
         rdzv=f"node0:{next(RDZV_PORTS)}",
-        allow=[f"{h.lab_addr.rsplit('.', 1)[0]}.0/24"],
+        allow=h.addr[:NODES],  # the nodes' addresses: not the third host's
         wait=False,
         **kw,
     )
@@ -204,6 +207,30 @@ def torch_tensor(values):
     import torch
 
     return torch.tensor(values)
+
+
+INTRUDER = textwrap.dedent("""
+    import sys, time, zmq
+    from labkit.wire.codec import Codec
+    from labkit.wire.key_file import read_key_file
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect("tcp://" + sys.argv[1])
+    msg = dict(type="attach", rank=0, gen=1, world_size=2, host="intruder", pid=1, gpus=0,
+               nccl=False, cpus=1)
+    sock.send_multipart(Codec(read_key_file(sys.argv[2])).encode(msg))  # even with the key
+    time.sleep(1)
+    sock.close(linger=0)
+""")
+
+
+def test_a_host_not_allowed_is_rejected_and_warned(hosts, lab):
+    env = dict(os.environ, LABKIT_PREWARM="0")
+    cmd = ["ip", "netns", "exec", hosts.ns[NODES], sys.executable, "-c", INTRUDER]
+    subprocess.run([*cmd, lab.endpoint, lab.key_file], env=env, check=True, timeout=60)
+    before = lab.channel.rejected
+    with pytest.warns(LabkitWarning, match=rf"from {hosts.addr[NODES]}, not one of the hosts"):
+        assert lab.run("rank").values_by_rank == {0: 0, 1: 1}
+    assert lab.channel.rejected == before + 1
 
 
 def test_tracing_across_hosts_has_each_ranks_clock_offset(lab):
