@@ -4,7 +4,7 @@ Creates `.venv` beside this repository (if missing), installs torch==2.13.0 firs
 labkit with its test extras in editable mode, then runs the command:
 
 - lab:   JupyterLab on notebooks/ (http://127.0.0.1:8888)
-- test:  the test suite (installs Debian's chromium for the browser test when it can)
+- test:  the test suite (installs Debian's chromium and Slurm for their tests when it can)
 - bench: the performance benchmark (python -m labkit.tools.bench)
 - check: every notebook top to bottom (labkit check)
 
@@ -43,16 +43,28 @@ def ensure_env() -> None:
         open(stamp, "w").close()
 
 
-def ensure_chromium() -> None:
-    if shutil.which("chromium"):
+# Debian packages some tests use, by the command that shows one is there: chromium for the
+# browser test, Slurm (slurm-wlm, munge: about 15 s to install) for tests/test_slurm.py.
+TEST_PACKAGES = {
+    "chromium": ["chromium"],
+    "slurmctld": ["--no-install-recommends", "slurm-wlm", "munge"],
+}
+
+
+def ensure_test_packages() -> None:
+    missing = [pkgs for tool, pkgs in TEST_PACKAGES.items() if not shutil.which(tool)]
+    if not missing:
         return
     if os.geteuid() == 0 and shutil.which("apt-get"):
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         sh("apt-get", "update", "-qq", env=env)
-        sh("apt-get", "install", "-y", "-qq", "chromium", env=env)
+        for pkgs in missing:
+            sh("apt-get", "install", "-y", "-qq", *pkgs, env=env)
     else:
+        names = ", ".join(p for pkgs in missing for p in pkgs if not p.startswith("-"))
         print(
-            "chromium not found and cannot install it here: the browser test will skip",
+            f"{names} not found and cannot be installed here: the tests that need them (the "
+            "browser test, the Slurm test) will skip",
             file=sys.stderr,
         )
 
@@ -65,7 +77,7 @@ def main() -> int:
     if cmd == "lab":
         return subprocess.call([PY, "-m", "labkit", "lab", *rest])
     if cmd == "test":
-        ensure_chromium()
+        ensure_test_packages()
         return subprocess.call([PY, "-m", "pytest", *rest])
     if cmd == "bench":
         return subprocess.call([PY, "-m", "labkit.tools.bench", *rest])

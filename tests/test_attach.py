@@ -151,6 +151,31 @@ def test_stop_reaches_attached_ranks(attached):
     assert lab.pull("kept") == {0: 7, 1: 7}
 
 
+def test_a_rank_that_comes_late_is_turned_away(attached):
+    import zmq
+
+    from labkit import LabkitWarning
+    from labkit.wire.codec import Codec
+    from labkit.wire.messages import Attach
+
+    lab, _ = attached
+    key = lab.channel.codec.key
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(lab.channel.endpoint("ctrl"))
+    try:
+        late = Attach(type="attach", rank=0, gen=1, world_size=2, host="latehost", pid=1,
+                      gpus=0, nccl=False, cpus=1)  # fmt: skip
+        sock.send_multipart(Codec(key).encode(late))
+        time.sleep(0.3)
+        with pytest.warns(LabkitWarning, match="turned away rank 0 from latehost.*came late"):
+            assert lab.run("rank").values_by_rank == {0: 0, 1: 1}  # rank 0 keeps its route
+        assert sock.poll(5000), "the late rank got no answer"
+        assert Codec(key).decode(sock.recv_multipart())["type"] == "refused"
+    finally:
+        sock.close()
+
+
 def test_restart_is_refused_with_the_reason(attached):
     lab, _ = attached
     with pytest.raises(
@@ -217,7 +242,9 @@ def test_attached_ranks_leave_when_the_kernel_dies():
             assert line, "the kernel ended early"
         endpoint, key_file = line.split()[1:]
         procs = start_torchrun(endpoint, key_file)
-        assert kernel.stdout.readline().strip() == "ready"
+        while line.strip() != "ready":  # after "labkit: k of 2 ranks attached" lines
+            line = kernel.stdout.readline()
+            assert line, "the kernel ended early"
         while "spinning" not in line:
             line = kernel.stdout.readline()
             assert line, "the kernel ended early"

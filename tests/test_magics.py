@@ -45,6 +45,8 @@ def test_lab_help_shows_every_command():
         ("logs 1 --lines 0", r"--lines: must be a whole number of at least 1, got '0'"),
         ("attach 2 --port 70000", r"--port: must be a port in \[0, 65535\], got '70000'"),
         ("attach 2 --nnodes 0", r"--nnodes: must be a whole number of at least 1"),
+        ("attach 2 --allow no-such-host.invalid", r"allow: 'no-such-host.invalid' is neither"),
+        ("attach 2 --wait 0", r"--wait: must be a number of seconds above 0, got '0'"),
         ("start 'x", r"cannot read .*No closing quotation"),
     ],
 )

@@ -4,13 +4,18 @@
   a file if it did), on a rank, on the kernel's side socket and on an attach endpoint, and the
   rejection is logged or warned about;
 - lab B's fork server cannot signal lab A's ranks; their sockets, logs and keys are private;
-- nothing a lab starts listens on a non-loopback address.
+- nothing a lab starts listens on a non-loopback address;
+- over the network (`Lab.attach`): a replayed message, a host not in `allow`, a rank attaching
+  twice or with another world size are rejected and warned of; waiting shows how many ranks
+  arrived and gives up naming the missing ones; a rank says what is wrong with its key file.
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import subprocess
+import sys
 import time
 
 import pytest
@@ -19,8 +24,9 @@ from conftest import pid_alive
 
 import labkit
 from labkit import LabkitWarning
-from labkit.wire.codec import Codec, new_key
+from labkit.wire.codec import AuthenticationError, Codec, new_key
 from labkit.wire.key_file import read_key_file, write_key_file
+from labkit.wire.messages import Attach
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -166,3 +172,159 @@ def test_pickle_trap_works(tmp_path):
     # the trap would indeed fire if a forged message were unpickled
     pickle.loads(pickle.dumps(_Trap(str(tmp_path / "x")))).close()
     assert (tmp_path / "x").exists()
+
+
+# -- over the network: replays, hosts, and who may attach ---------------------------------------
+
+
+def test_a_replayed_message_is_rejected_before_unpickling(tmp_path):
+    key = new_key()
+    sender, receiver = Codec(key), Codec(key)
+    first = sender.encode({"type": "ping", "id": 1})
+    second = sender.encode({"type": "ping", "id": 2})
+    assert receiver.decode(second)["id"] == 2  # out of order (ctrl and side) is fine...
+    assert receiver.decode(first)["id"] == 1
+    trap = tmp_path / "unpickled"
+    captured = sender.encode({"type": "exec", "trap": _Trap(str(trap))})
+    receiver.decode(captured)
+    trap.unlink()
+    for frames in (first, second, captured):  # ...a message seen before is not
+        with pytest.raises(AuthenticationError, match="replayed message"):
+            receiver.decode(frames)
+    assert not trap.exists()
+    assert Codec(key).decode(first)["id"] == 1  # another receiver has its own memory
+
+
+def _attach_frames(codec, rank=0, world_size=2):
+    return codec.encode(
+        Attach(
+            type="attach",
+            rank=rank,
+            gen=1,
+            world_size=world_size,
+            host="fakehost",
+            pid=4242,
+            gpus=0,
+            nccl=False,
+            cpus=1,
+        )  # fmt: skip
+    )
+
+
+def _dealer(lab):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(lab.channel.endpoint("ctrl"))
+    return sock
+
+
+def _answer(sock, key, timeout_ms=5000):
+    assert sock.poll(timeout_ms), "the lab did not answer"
+    return Codec(key).decode(sock.recv_multipart())
+
+
+def test_attach_shows_progress_rejects_a_replay_and_names_the_missing_ranks(capsys):
+    lab = labkit.Lab.attach(2, wait=False)
+    sock = _dealer(lab)
+    try:
+        key = lab.channel.codec.key
+        frames = _attach_frames(Codec(key), rank=0)
+        sock.send_multipart(frames)
+        sock.send_multipart(frames)  # the same signed bytes again: a replay
+        with pytest.warns(LabkitWarning, match="replayed message"):
+            with pytest.raises(labkit.LabError) as err:
+                lab.wait_attached(3)
+        text = str(err.value)
+        assert "only 1 of 2 ranks attached (fakehost: 1) in 3 s (missing: rank 1)" in text
+        assert "torchrun --nnodes=1 --nproc-per-node=2" in text and "1 message(s)" in text
+        assert "labkit: 1 of 2 ranks attached (fakehost: 1)" in capsys.readouterr().out
+        answer = _answer(sock, key)  # the rank that came is sent away, not left waiting
+        assert answer["type"] == "refused" and "gave up" in answer["why"]
+    finally:
+        sock.close()
+        lab.stop()
+
+
+def test_a_rank_attaching_twice_is_turned_away():
+    lab = labkit.Lab.attach(2, wait=False)
+    first, second = _dealer(lab), _dealer(lab)
+    try:
+        key = lab.channel.codec.key
+        first.send_multipart(_attach_frames(Codec(key), rank=0))
+        time.sleep(0.3)
+        second.send_multipart(_attach_frames(Codec(key), rank=0))
+        with pytest.warns(LabkitWarning, match="turned away rank 0 from fakehost"):
+            with pytest.raises(labkit.LabError, match="only 1 of 2"):
+                lab.wait_attached(3)
+        answer = _answer(second, key)
+        assert answer["type"] == "refused" and "attached already" in answer["why"]
+    finally:
+        first.close()
+        second.close()
+        lab.stop()
+
+
+def test_a_world_size_that_does_not_match_fails_at_once():
+    lab = labkit.Lab.attach(2, wait=False)
+    sock = _dealer(lab)
+    try:
+        key = lab.channel.codec.key
+        sock.send_multipart(_attach_frames(Codec(key), rank=3, world_size=4))
+        t0 = time.monotonic()
+        with pytest.raises(labkit.LabError, match=r"WORLD_SIZE=4 \(rank 3 on fakehost\).*wants 2"):
+            lab.wait_attached(60)
+        assert time.monotonic() - t0 < 20, "it waited for the timeout instead"
+        assert _answer(sock, key)["type"] == "refused"
+    finally:
+        sock.close()
+        lab.stop()
+
+
+def test_a_connection_from_a_host_not_allowed_is_rejected_and_warned(tmp_path):
+    lab = labkit.Lab.attach(2, wait=False, allow=["10.213.0.0/24"])
+    sock = _dealer(lab)  # from 127.0.0.1
+    try:
+        trap = tmp_path / "unpickled"
+        sock.send_multipart(forged(str(trap), type="attach", world_size=2))
+        sock.send_multipart(_attach_frames(Codec(lab.channel.codec.key)))  # even with the key
+        with pytest.warns(LabkitWarning, match=r"from 127\.0\.0\.1, not one of the hosts"):
+            with pytest.raises(labkit.LabError, match="0 of 2 ranks attached"):
+                lab.wait_attached(3)
+        assert lab.channel.rejected == 2 and not trap.exists()
+    finally:
+        sock.close()
+        lab.stop()
+
+
+def test_allow_takes_addresses_networks_and_names():
+    from labkit.kernel.admission import parse_allow
+
+    nets = parse_allow(["10.1.2.3", "10.213.0.0/24", "localhost"])
+    assert [str(n) for n in nets[:2]] == ["10.1.2.3/32", "10.213.0.0/24"]
+    assert any(n.network_address.is_loopback for n in nets[2:])
+    with pytest.raises(ValueError, match="neither an address, a network"):
+        parse_allow(["no-such-host.invalid"])
+
+
+@pytest.mark.parametrize("case", ["missing", "world-readable", "not a key"])
+def test_a_rank_says_what_is_wrong_with_its_key_file(tmp_path, case):
+    path = tmp_path / "lab.key"
+    if case != "missing":
+        path.write_text("zz\n" if case == "not a key" else "ab" * 32 + "\n")
+        path.chmod(0o644 if case == "world-readable" else 0o600)
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+               MASTER_ADDR="127.0.0.1", MASTER_PORT="1", LABKIT_PREWARM="0")  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-m", "labkit.rank", "--connect", "127.0.0.1:1", "--key-file", str(path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    expected = {
+        "missing": "not found on this node",
+        "world-readable": "readable by others (mode 0o644); run chmod 600",
+        "not a key": "does not hold a lab key",
+    }[case]
+    assert out.returncode == 1 and expected in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr

@@ -285,13 +285,13 @@ def recovery_note(
     """What the user reads after a stuck cell: why, and what became of the ranks."""
     assert outcome.stuck is not None
     reason, died, errors = str(outcome.stuck), outcome.stuck.died, outcome.errors
-    if restarted_in is None:  # ranks labkit cannot restart: the lab is unusable now
-        return f"{reason}\n{cannot_restart}"
     if errors and died is not None:  # the death is the root cause; the peers' errors follow
         reason += f"\nbecause rank {died} died, " + "; ".join(
             f"rank {r} raised {e['type']}: {(e['message'].splitlines() or [''])[0][:160]}"
             for r, e in sorted(errors.items())
         )
+    if restarted_in is None:  # ranks labkit cannot restart: the lab is unusable now
+        return f"{reason}\n{cannot_restart}"
     return (
         f"{reason}\nlabkit stopped the cell after {stopped_after:.1f} s and restarted the "
         f"ranks in {restarted_in:.2f} s: variables on the ranks were lost."

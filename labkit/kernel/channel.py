@@ -14,7 +14,10 @@ arrives, notices dead ranks (the fork server reports exits at once) and calls th
 
 Routes: a rank's sockets have no fixed ZeroMQ identity. The kernel learns the route of a rank's
 ctrl socket from its signed `hello` (or `attach`) and afterwards takes that rank's replies only
-from that route, so another process cannot take a rank's place by claiming its name.
+from that route, so another process cannot take a rank's place by claiming its name. An
+`attach` for a rank that attached already, or after the lab stopped waiting (`attaching`), is
+turned away with `refused`. Over TCP, `allow` (networks) limits which hosts may send at all:
+a message from another address is dropped before its signature is even read, and warned of.
 
 Generations: each (re)start of the ranks has a new number, and messages from an older
 generation are dropped, so a restart never mixes old and new replies.
@@ -35,6 +38,7 @@ from typing import Any
 
 import zmq
 
+from labkit.kernel.admission import Admission
 from labkit.kernel.logs import read_tail
 from labkit.kernel.output import RankOutput
 from labkit.kernel.results import LabError, LabkitWarning
@@ -53,7 +57,7 @@ class Stuck(Exception):
         self.died = died
 
 
-class Channel:
+class Channel(Admission):
     """The sockets, the I/O thread and the waiting loop between a kernel and its ranks."""
 
     def __init__(self, codec: Codec, log_dir: str, listen: tuple[str, int] | None = None):
@@ -68,6 +72,8 @@ class Channel:
         self.routes: dict[int, bytes] = {}  # rank -> ZeroMQ routing id of its ctrl socket
         self.dead: dict[int, int] = {}  # rank -> exit code (negative: signal)
         self.rejected = 0
+        self.allow: list[Any] | None = None  # networks ranks may connect from (TCP; None: any)
+        self.attaching = False  # whether an `attach` is welcome now (Lab.attach is waiting)
         self.output = RankOutput()
         self.closed = False
         self._seen_seq: dict[int, int] = {}
@@ -142,6 +148,8 @@ class Channel:
                 frames = self.side.recv_multipart(copy=False)
             except zmq.ZMQError:
                 return
+            if not self._allowed(frames[-1], warn=False):
+                continue
             try:
                 msg = self.codec.decode(frames[1:])
             except AuthenticationError as exc:
@@ -252,6 +260,8 @@ class Channel:
     def _receive(self, expect: str, msg_id: int | None) -> dict[str, Any] | None:
         """One ctrl message of this generation, or None for one to drop."""
         frames = self.ctrl.recv_multipart(copy=False)
+        if not self._allowed(frames[-1], warn=True):
+            return None
         try:
             msg = self.codec.decode(frames[1:])
         except AuthenticationError as exc:
@@ -280,7 +290,9 @@ class Channel:
         A `fatal` may come before the hello (a rank that could not start): it is let through.
         """
         rank, known = msg.get("rank"), self.routes.get(msg.get("rank", -1))
-        if msg["type"] in ("hello", "attach") and (known is None or msg["type"] == "attach"):
+        if msg["type"] == "attach":
+            return self._admit(msg, ident, known)
+        if msg["type"] == "hello" and known is None:
             self.routes[rank] = ident
             return True
         if known == ident or (known is None and msg["type"] == "fatal"):

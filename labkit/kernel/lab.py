@@ -176,6 +176,8 @@ class Lab:
         key_file: str | None = None,
         *,
         nnodes: int = 1,
+        rdzv: str | None = None,
+        allow: list[str] | None = None,
         backend: str = "auto",
         device: str = "auto",
         timeout: float | None = None,
@@ -189,8 +191,10 @@ class Lab:
         Binds a TCP endpoint on `host` (loopback by default: pass the address other nodes
         reach, or "0.0.0.0", to take ranks from a cluster), writes the lab's key to `key_file`
         (mode 600; by default in a private temporary directory) and prints the torchrun command
-        to run. With `wait`, returns once all `world_size` ranks attached and formed their
-        process group; else call `lab.wait_attached()` later.
+        to run (`rdzv`: the HOST:PORT of torchrun's rendezvous on the first node). `allow`:
+        the addresses, networks or host names ranks may connect from (default: any that
+        holds the key). With `wait`, returns once all `world_size` ranks attached and formed
+        their process group (showing how many arrived); else call `lab.wait_attached()` later.
         """
         check_world_size(world_size)
         lab = cls(
@@ -206,9 +210,8 @@ class Lab:
         try:
             lab.launcher = TorchrunRanks(
                 lab.channel, world_size, backend, device, pg_timeout, key_file, nnodes,
-                attach_timeout,
+                attach_timeout, rdzv, allow,
             )  # fmt: skip
-            print(f"waiting for {world_size} ranks; start them with:\n  {lab.command}", flush=True)
             if wait:
                 lab.wait_attached(attach_timeout)
         except BaseException:
@@ -216,18 +219,10 @@ class Lab:
             raise
         return lab
 
-    @property
-    def command(self) -> str:
-        """The torchrun command that starts this lab's ranks (attached labs only)."""
-        return getattr(self.launcher, "command", "")
-
-    @property
-    def endpoint(self) -> str:
-        return getattr(self.launcher, "endpoint", "")
-
-    @property
-    def key_file(self) -> str:
-        return getattr(self.launcher, "key_file", "")
+    # attached labs only: the torchrun command to run, the endpoint it names, the key file
+    command = property(lambda self: getattr(self.launcher, "command", ""))
+    endpoint = property(lambda self: getattr(self.launcher, "endpoint", ""))
+    key_file = property(lambda self: getattr(self.launcher, "key_file", ""))
 
     def wait_attached(self, timeout: float = 600) -> Lab:
         """Wait for torchrun's ranks to attach and form their process group (kernel side)."""
@@ -344,7 +339,7 @@ class Lab:
             self.restart()
             note = recovery_note(outcome, t0 - outcome.started, time.monotonic() - t0, cannot or "")
         assert outcome.stuck is not None
-        if outcome.errors and (cannot or outcome.stuck.died is None):
+        if outcome.errors and outcome.stuck.died is None:  # else the death is the root cause
             raise RemoteError(outcome.errors, note)
         raise LabError(note)
 

@@ -1,7 +1,8 @@
 """IPython magics: `%lab ...` and `%%ranks` (kernel side; thin: parse, call the API, display).
 
 %lab start 4 [--backend gloo|nccl|auto] [--device cpu|cuda|auto] [--timeout S]
-%lab attach N [--host H] [--port P] [--key-file F] [--nnodes K]   ranks started by torchrun
+%lab attach N [--host H] [--port P] [--key-file F] [--nnodes K] [--rdzv HOST:PORT]
+    [--allow NET ...] [--wait S]                                   ranks started by torchrun
 %lab status | %lab restart [N] | %lab stop | %lab logs RANK [--lines N]
 %lab run SCRIPT [ARGS...] [--timeout S before SCRIPT]   a torchrun script, unchanged, on every rank
 %%ranks [RANKS] [--timeout S] [--profile]   run the cell on every rank, or on RANKS (0,2 or 1-3)
@@ -138,6 +139,16 @@ class LabMagics(Magics):
     @argument("--port", type=_port, default=0, help="port to listen on (default: any free one)")
     @argument("--key-file", metavar="F", help="where to write the lab's key (mode 600)")
     @argument("--nnodes", type=_count, default=1, metavar="K", help="nodes (default: 1)")
+    @argument("--rdzv", metavar="HOST:PORT", help="torchrun's rendezvous, on the first node")
+    @argument(
+        "--allow",
+        nargs="+",
+        metavar="NET",
+        help="addresses, networks (10.0.0.0/24) or host names ranks may connect from",
+    )
+    @argument(
+        "--wait", type=_seconds, default=600, metavar="S", help="seconds to wait for the ranks"
+    )
     @argument(
         "--timeout", type=_seconds, metavar="S", help="seconds a cell may run (default: no limit)"
     )
@@ -150,6 +161,9 @@ class LabMagics(Magics):
                 args.port,
                 args.key_file,
                 nnodes=args.nnodes,
+                rdzv=args.rdzv,
+                allow=args.allow,
+                attach_timeout=args.wait,
                 timeout=args.timeout,
             )
         except ValueError as exc:  # the lab checks its arguments before it starts anything

@@ -23,7 +23,13 @@ def load_digits() -> tuple[torch.Tensor, torch.Tensor]:
 
     Returns X, float32 of shape (1797, 64) scaled from 0..16 to [0, 1], and y, int64 labels 0..9.
     """
-    from sklearn.datasets import load_digits as _sk_load_digits
+    try:
+        from sklearn.datasets import load_digits as _sk_load_digits
+    except ImportError:
+        raise ImportError(
+            "load_digits needs scikit-learn, which a rank-only install (labkit[rank]) leaves "
+            "out: pip install scikit-learn on this node, or labkit[lab]"
+        ) from None
 
     data = _sk_load_digits()
     X = torch.tensor(data.data, dtype=torch.float32) / 16.0

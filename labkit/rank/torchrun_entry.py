@@ -44,6 +44,26 @@ def _torchrun_env() -> dict[str, str]:
     return {k: os.environ[k] for k in ENV}
 
 
+def _read_key(path: str) -> bytes:
+    """The lab's key from `path`, or exit with what is wrong with the file on this node."""
+    where = f"on this node ({socket.gethostname()})"
+    try:
+        return read_key_file(path)
+    except FileNotFoundError:
+        raise SystemExit(
+            f"labkit.rank: key file {path} not found {where}. Lab.attach wrote it on the "
+            "notebook's machine: put it where every node can read it (a shared home "
+            "directory), or copy it to the same path on each node, keeping mode 600"
+        ) from None
+    except PermissionError as exc:  # readable by others, or not readable by us
+        raise SystemExit(f"labkit.rank: {exc} ({where})") from None
+    except ValueError:
+        raise SystemExit(
+            f"labkit.rank: key file {path} {where} does not hold a lab key (one line of hex, "
+            "as Lab.attach writes it)"
+        ) from None
+
+
 def _handshake(endpoint: str, codec: Any, hello: Attach) -> Welcome:
     """Say `attach` until the kernel answers with `welcome` (rank side)."""
     import zmq
@@ -90,7 +110,7 @@ def main(argv: list[str] | None = None) -> None:
     from labkit.wire.codec import Codec
 
     env = _torchrun_env()
-    codec = Codec(read_key_file(args.key_file))
+    codec = Codec(_read_key(args.key_file))
     rank, world_size = int(env["RANK"]), int(env["WORLD_SIZE"])
     import torch
     import torch.distributed as dist

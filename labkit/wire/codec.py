@@ -6,12 +6,18 @@ A message is a dict. On the wire it is a ZeroMQ multipart message:
 
 - `header` is the dict pickled with protocol 5; tensors and numpy arrays inside it are pickled
   out of band, so their bytes travel as raw `buffer_i` frames (no copy into a byte string).
-- `signature` is a 16-byte random nonce followed by a Poly1305 tag over the length and bytes of
+- `signature` is a 16-byte nonce followed by a Poly1305 tag over the length and bytes of
   every other frame. Poly1305's one-time key is HMAC-SHA256(lab key, nonce), the lab key being
   32 random bytes known only to the kernel and its ranks. (Poly1305 runs at several GB/s, so
   signing a 16 MB tensor costs a few milliseconds; HMAC-SHA256 alone would cost ~10.)
   `Codec.decode` checks the tag (constant-time compare) before anything is unpickled; a message
   that fails is rejected with `AuthenticationError` and never unpickled.
+- The nonce is the sender's random 8-byte id (new in each `Codec` and each process) and its
+  message counter. Each receiving `Codec` remembers, per sender, the highest counter and which
+  of the `REPLAY_WINDOW` below it it has seen (a bit mask, as IPsec does), so a captured
+  message sent again is rejected as a replay, before it is unpickled (`MAX_SENDERS` senders
+  are remembered: a lab's kernel and ranks over many restarts). The window tolerates
+  messages from one sender arriving out of order over two sockets (ctrl and side).
 
 Every message has a `type`; the messages and their fields are defined once, in
 `labkit.wire.messages`.
@@ -24,6 +30,7 @@ import hmac
 import io
 import os
 import pickle
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -33,6 +40,9 @@ from cryptography.hazmat.primitives.poly1305 import Poly1305
 
 KEY_BYTES = 32
 NONCE_BYTES = 16
+SENDER_BYTES = 8
+REPLAY_WINDOW = 4096  # messages a sender may send between two that arrive out of order
+MAX_SENDERS = 256  # senders remembered (the least recently heard of is forgotten first)
 
 
 class AuthenticationError(Exception):
@@ -108,6 +118,37 @@ class Codec:
         if len(key) < 16:
             raise ValueError(f"key must be at least 16 bytes, got {len(key)}")
         self.key = key
+        self._lock = threading.Lock()
+        self._pid = 0
+        self._sender = b""
+        self._count = 0
+        self._seen: dict[bytes, tuple[int, int]] = {}  # sender -> (highest counter, bit mask)
+
+    def _nonce(self) -> bytes:
+        with self._lock:
+            if self._pid != os.getpid():  # a new Codec, or a forked copy: a sender of its own
+                self._pid, self._sender, self._count = os.getpid(), os.urandom(SENDER_BYTES), 0
+            self._count += 1
+            return self._sender + self._count.to_bytes(NONCE_BYTES - SENDER_BYTES, "little")
+
+    def _first_time(self, nonce: bytes) -> bool:
+        """Whether this (verified) nonce is new; remembers it (a sliding window per sender)."""
+        sender, n = nonce[:SENDER_BYTES], int.from_bytes(nonce[SENDER_BYTES:], "little")
+        with self._lock:
+            top, mask = self._seen.pop(sender, (0, 0))
+            if n - top >= REPLAY_WINDOW:
+                top, mask = n, 1
+            elif n > top:
+                top, mask = n, ((mask << (n - top)) | 1) & ((1 << REPLAY_WINDOW) - 1)
+            elif top - n >= REPLAY_WINDOW or mask >> (top - n) & 1:
+                self._seen[sender] = (top, mask)
+                return False
+            else:
+                mask |= 1 << (top - n)
+            self._seen[sender] = (top, mask)  # last in the dict: the most recently heard of
+            if len(self._seen) > MAX_SENDERS:
+                del self._seen[next(iter(self._seen))]
+            return True
 
     def _sign(self, frames: list[Any], nonce: bytes) -> bytes:
         mac = Poly1305(hmac.new(self.key, nonce, hashlib.sha256).digest())
@@ -120,7 +161,7 @@ class Codec:
     def encode(self, msg: Mapping[str, Any]) -> list[Any]:
         header, buffers = dumps(msg)
         frames: list[Any] = [header, *(b.raw() for b in buffers)]
-        return [self._sign(frames, os.urandom(NONCE_BYTES)), *frames]
+        return [self._sign(frames, self._nonce()), *frames]
 
     def decode(self, frames: list[Any]) -> dict[str, Any]:
         """Verify, then unpickle. Frames may be bytes or zmq.Frame objects."""
@@ -132,4 +173,8 @@ class Codec:
             signature, self._sign(body, signature[:NONCE_BYTES])
         ):
             raise AuthenticationError("message signature does not match this lab's key")
+        if not self._first_time(signature[:NONCE_BYTES]):
+            raise AuthenticationError(
+                "replayed message: this sender's message with this counter was received before"
+            )
         return pickle.loads(body[0], buffers=body[1:])
