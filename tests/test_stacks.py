@@ -208,3 +208,33 @@ def test_lab_stacks_magic(lab, capsys):
         magics.lab("stacks 5")
     with pytest.raises(UsageError, match="--timeout: must be a number of seconds above 0"):
         magics.lab("stacks --timeout 0")
+
+
+# -- the formatting, in this process (no ranks) ----------------------------------------------
+def test_snapshot_folds_labkit_frames_and_shows_cell_lines():
+    from labkit.rank import stacks
+    from labkit.rank.user_code import run_code
+
+    ns = {"snapshot": stacks.snapshot}
+    code = "def inner():\n    return snapshot(9)\n\nfound = inner()\n"
+    run_code(code, "<cell-9>", ns)
+    text, where = ns["found"]
+    assert text.startswith('Thread "MainThread" (main, running cell 9):\n'), text
+    inner = text.index("    inner (<cell-9>:2)\n        return snapshot(9)\n")
+    outer = text.index("    <module> (<cell-9>:4)\n        found = inner()\n")
+    assert inner < outer and where == "line 2: return snapshot(9)"
+    # labkit's own frames: the snapshot itself (innermost), run_code (outer), folded
+    assert text[:inner].rstrip().endswith("... 1 labkit frame"), text
+    assert text[outer:].splitlines()[2] == "    ... 1 labkit frame", text
+
+
+def test_stuck_text_keeps_the_main_thread_and_names_the_silent():
+    from labkit.kernel.stacks import RankStacks, stuck_text
+
+    main = 'Thread "MainThread" (main, running cell 3):\n    <module> (<cell-3>:2)\n        x()'
+    other = 'Thread "user-thread":\n    run (worker.py:1)'
+    texts = {0: f"{main}\n{other}\n(labkit's own threads left out: labkit-heartbeat)", 1: "(no"}
+    text = stuck_text(RankStacks(texts, {0: "line 2: x()"}, {0}), "when Stop was pressed")
+    assert text.startswith("Python stacks of the ranks that had not finished, when Stop was")
+    assert f"--- rank 0 ---\n{main}\n--- rank 1 ---\n(no" in text and "user-thread" not in text
+    assert stuck_text(RankStacks({}, {}, set()), "now") == ""
