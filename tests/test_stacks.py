@@ -236,5 +236,9 @@ def test_stuck_text_keeps_the_main_thread_and_names_the_silent():
     texts = {0: f"{main}\n{other}\n(labkit's own threads left out: labkit-heartbeat)", 1: "(no"}
     text = stuck_text(RankStacks(texts, {0: "line 2: x()"}, {0}), "when Stop was pressed")
     assert text.startswith("Python stacks of the ranks that had not finished, when Stop was")
-    assert f"--- rank 0 ---\n{main}\n--- rank 1 ---\n(no" in text and "user-thread" not in text
+    frames = main.split("\n", 1)[1]  # the header goes: the message says which cell
+    assert f"--- rank 0 ---\n{frames}\n--- rank 1 ---\n(no" in text and "user-thread" not in text
+    texts = {r: f"{main}\n    ... 9 labkit frames" for r in (0, 2, 3)}
+    text = stuck_text(RankStacks(texts, {}, {0, 2, 3}), "now")
+    assert text.endswith(f"--- ranks 0, 2, 3 ---\n{frames}"), text  # the same stack, once
     assert stuck_text(RankStacks({}, {}, set()), "now") == ""

@@ -95,14 +95,26 @@ def lab_stacks(lab: Any, ranks: Any, timeout: float) -> RankStacks:
     return collect(lab.channel, lab.ranks(ranks), timeout)
 
 
+def _short_main(text: str) -> str:
+    """A message's form of a rank's stacks: its main thread's frames only, without the header
+    and the request loop's frames every cell starts from (`... 9 labkit frames`, last)."""
+    lines = main_thread(text).splitlines()[1:]
+    if lines and lines[-1].lstrip().startswith("... ") and lines[-1].endswith("labkit frames"):
+        lines.pop()
+    return "\n".join(lines) or "    (idle: no cell running)"
+
+
 def stuck_text(stacks: RankStacks, when: str) -> str:
     """What a stuck or stopped cell's message ends with: each rank's main-thread stack, taken
-    `when` ("when Stop was pressed")."""
+    `when` ("when Stop was pressed"); ranks with the same stack share one section."""
     if not stacks:
         return ""
+    same: dict[str, list[int]] = {}
+    for r, text in stacks.items():
+        same.setdefault(_short_main(text) if r in stacks.answered else text, []).append(r)
     parts = [
-        f"--- rank {r} ---\n{main_thread(text) if r in stacks.answered else text}"
-        for r, text in stacks.items()
+        f"--- rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} ---\n{text}"
+        for text, ranks in same.items()
     ]
     return (
         f"Python stacks of the ranks that had not finished, {when} "
