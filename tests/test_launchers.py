@@ -68,9 +68,18 @@ class FakeChannel:
         self.status: dict = {}
         self.dead: dict = {}
         self.output = RankOutput()
+        self.stacks: dict = {}
+        self.asked: list = []
 
     def send(self, ranks, msg) -> None:
         self.sent.append((list(ranks), msg))
+
+    def ask_stacks(self, ranks) -> int:  # every rank answers at once
+        self.asked.append(list(ranks))
+        self.stacks[len(self.asked)] = {
+            r: {"text": f'Thread "MainThread":\n    stack of {r}', "where": None} for r in ranks
+        }
+        return len(self.asked)
 
     def pump(self, pending, expect, **kw):
         raise self.raises
@@ -106,6 +115,9 @@ def test_a_stuck_cell_is_reported_not_repaired() -> None:
     assert launcher.calls == []  # neither killed nor restarted: the lab decides that
     msg = {"type": "exec", "id": 7, "code": "1"}
     assert channel.sent == [([0], msg), ([1], msg)]
+    assert channel.asked == [[0, 1]]  # the ranks' stacks, for the message
+    assert "when labkit found the cell stuck" in outcome.stacks
+    assert "--- rank 0 ---\n    stack of 0\n--- rank 1 ---\n    stack of 1" in outcome.stacks
 
 
 def test_stop_interrupts_through_the_launcher_and_a_second_stop_is_stuck() -> None:
@@ -116,6 +128,7 @@ def test_stop_interrupts_through_the_launcher_and_a_second_stop_is_stuck() -> No
     )
     assert launcher.calls == ["interrupt [0, 1]"]
     assert str(outcome.stuck).startswith("Stop was pressed twice; rank 0 did not stop")
+    assert channel.asked == [[0, 1]] and "when Stop was pressed" in outcome.stacks  # asked once
 
 
 class PressedOnce(FakeChannel):
