@@ -92,7 +92,16 @@ def _frames(frame: FrameType) -> tuple[list[str], str | None]:
 
 def snapshot(busy: int | None) -> tuple[str, str | None]:
     """Every thread's stack now (the main thread first), and where the main thread's user code
-    is ("line 3: time.sleep(60)" for a cell), or None when it runs none. `busy`: the cell."""
+    is ("line 3: time.sleep(60)" for a cell), or None when it runs none. `busy`: the cell.
+
+    Never raises: it runs on the heartbeat thread, which must go on reading Stop."""
+    try:
+        return _snapshot(busy)
+    except Exception as exc:  # noqa: BLE001 - say why instead of losing the heartbeat
+        return f"(the stacks could not be read: {type(exc).__name__}: {exc})", None
+
+
+def _snapshot(busy: int | None) -> tuple[str, str | None]:
     frames = sys._current_frames()
     main_id = threading.main_thread().ident
     names = {t.ident: t.name for t in threading.enumerate()}
