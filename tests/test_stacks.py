@@ -224,7 +224,7 @@ def test_snapshot_folds_labkit_frames_and_shows_cell_lines():
     outer = text.index("    <module> (<cell-9>:4)\n        found = inner()\n")
     assert inner < outer and where == "line 2: return snapshot(9)"
     # labkit's own frames: the snapshot itself (innermost), run_code (outer), folded
-    assert text[:inner].rstrip().endswith("... 1 labkit frame"), text
+    assert text[:inner].rstrip().endswith("... 2 labkit frames"), text
     assert text[outer:].splitlines()[2] == "    ... 1 labkit frame", text
 
 
