@@ -1,9 +1,10 @@
 """labkit: a Jupyter-driven lab for learning and debugging PyTorch parallelism.
 
-Kernel side: `Lab` (start ranks, run code on them, pull and push values), the views, and the
-IPython extension (`%load_ext labkit`, which also calls `prewarm()`). Rank side: `span` marks
-compute regions for the timeline. Names load lazily, so a rank importing `labkit.rank.worker`
-never pulls in the kernel's dependencies (IPython, ipywidgets, plotly).
+Kernel side: `Lab` (start ranks, run code on them, pull and push values), the views,
+`save_trace` (a trace as Chrome Trace Event JSON), and the IPython extension (`%load_ext
+labkit`, which also calls `prewarm()`). Rank side: `span` marks compute regions for the
+timeline. Names load lazily, so a rank importing `labkit.rank.worker` never pulls in the
+kernel's dependencies (IPython, ipywidgets, plotly).
 
 Importing labkit starts nothing: no process, no thread. A fork server starts when a lab needs
 one, or ahead of time through `prewarm()`.
@@ -29,6 +30,8 @@ __all__ = [
     "show_placement",
     "show_timeline",
     "show_comm",
+    "save_trace",
+    "profile",
     "auto_split",
     "load_ipython_extension",
     "prewarm",
@@ -48,6 +51,8 @@ _LAZY = {
     "show_placement": "labkit.views",
     "show_timeline": "labkit.views",
     "show_comm": "labkit.views",
+    "save_trace": "labkit.views",
+    "profile": "labkit.kernel.profiling",
     "auto_split": "labkit.parallel.auto_split",
 }
 

@@ -25,8 +25,8 @@ def test_lab_help_shows_every_command():
         assert f"%lab {name}" in doc, name
     for text in ("--backend", "--key-file", "--nnodes", "--lines", "make it current", "torchrun"):
         assert text in doc, text
-    assert "%%ranks [--timeout S] [RANKS]" in LabMagics.ranks.__doc__
-    assert "0,2 or 1-3" in LabMagics.ranks.__doc__
+    assert "%%ranks [--timeout S] [--profile] [RANKS]" in LabMagics.ranks.__doc__
+    assert "0,2 or 1-3" in LabMagics.ranks.__doc__ and "torch.profiler" in LabMagics.ranks.__doc__
 
 
 @pytest.mark.parametrize(
@@ -56,7 +56,10 @@ def test_lab_mistakes_say_what_is_wrong(magics, line, match):
 @pytest.mark.parametrize(
     "line,match",
     [
-        ("0 2", r"%%ranks: unrecognized arguments: 2\nusage: %%ranks \[--timeout S\] \[RANKS\]"),
+        (
+            "0 2",
+            r"%%ranks: unrecognized arguments: 2\nusage: %%ranks \[--timeout S\] \[--profile\]",
+        ),
         ("--timeout 0", r"--timeout: must be a number of seconds above 0, got '0'"),
     ],
 )
@@ -116,7 +119,7 @@ def test_help_and_errors_in_a_notebook(kernel):
     assert kernel.run("%load_ext labkit")["error"] is None
     page = kernel.run("%lab?")["page"]
     assert "%lab start" in page and "%lab logs" in page and "--nnodes" in page, page
-    assert "%%ranks [--timeout S] [RANKS]" in kernel.run("%%ranks?")["page"]
+    assert "%%ranks [--timeout S] [--profile] [RANKS]" in kernel.run("%%ranks?")["page"]
 
     bad = kernel.run("%lab strat 2")
     assert bad["error"]["ename"] == "UsageError", bad

@@ -5,7 +5,7 @@
 %lab status | %lab restart [N] | %lab stop | %lab logs RANK [--lines N]
 %lab stacks [RANKS] [--timeout S]   every rank's Python stacks now, idle or busy
 %lab run SCRIPT [ARGS...] [--timeout S before SCRIPT]   a torchrun script, unchanged, on every rank
-%%ranks [RANKS] [--timeout S]     run the cell on every rank, or on RANKS such as 0,2 or 1-3
+%%ranks [RANKS] [--timeout S] [--profile]   run the cell on every rank, or on RANKS (0,2 or 1-3)
 
 Arguments are parsed by IPython's `magic_arguments`, so `%lab?` and `%%ranks?` show the help.
 A mistake in the arguments is a `UsageError`: IPython prints what was wrong and the usage,
@@ -27,6 +27,7 @@ from IPython.display import display
 from labkit.kernel import lab as lab_module
 from labkit.kernel.logs import read_tail
 from labkit.kernel.policy import BACKENDS, DEVICES
+from labkit.kernel.profiling import profile
 from labkit.kernel.results import RankValues
 from labkit.wire.logfile import log_path
 
@@ -224,12 +225,18 @@ class LabMagics(Magics):
     @magic_arguments("%ranks")  # so that the usage reads %%ranks
     @argument("ranks", nargs="?", metavar="RANKS", help="all (default), or such as 0,2 or 1-3")
     @argument("--timeout", type=_seconds, metavar="S", help="seconds the cell may run")
+    @argument(
+        "--profile",
+        action="store_true",
+        help="run the cell under torch.profiler; labkit.save_trace(lab, path) then has its ops",
+    )
     @cell_magic
     def ranks(self, line: str, cell: str) -> None:
         """Run the cell on every rank of the current lab at the same time, or on RANKS.
 
         Each rank's output is tagged with its rank; the value of the last expression is shown
-        per rank (end the cell with `;` to hide it). A rank's error names the rank.
+        per rank (end the cell with `;` to hide it). A rank's error names the rank. With
+        `--profile` the cell runs under torch.profiler (labkit.profile).
         """
         args = _parse(self.ranks, _split("%%ranks", line))
         lab = lab_module.current()
@@ -237,7 +244,10 @@ class LabMagics(Magics):
             lab.ranks(args.ranks)
         except ValueError as exc:
             raise UsageError(f"%%ranks: {exc}\n{_usage(self.ranks)}") from None
-        results = lab.run(cell, ranks=args.ranks, timeout=args.timeout)
+        if args.profile:
+            results = profile(lab, cell, ranks=args.ranks, timeout=args.timeout)
+        else:
+            results = lab.run(cell, ranks=args.ranks, timeout=args.timeout)
         if not cell.rstrip().endswith(";"):
             shown = RankValues({r: res for r, res in results.items() if res.error is None})
             if shown:  # HTML in a notebook, `rank r: value` lines as text

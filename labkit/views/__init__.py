@@ -1,5 +1,6 @@
 """Views of a lab (kernel side): per-rank tensors, parameter placement, timeline, traffic.
 
+`save_trace` writes the same trace records as a Chrome Trace Event file (Perfetto, HTA).
 Every view takes a lab or plain data (tensors, placement rows, trace records), returns an
 ipywidgets container of plotly figures (`.figures`), and has `.to_html()`, a static fallback
 that needs no JavaScript and no network. Views never talk to ranks except through the lab's
@@ -13,6 +14,7 @@ from labkit.views.placement_data import memory_by_rank, merge_placement
 from labkit.views.placement_view import PlacementView, show_placement
 from labkit.views.tensor_view import TensorView, show_tensors
 from labkit.views.timeline_view import TimelineView, show_timeline, timeline_summary
+from labkit.views.trace_export import save_trace
 
 __all__ = [
     "CommView",
@@ -27,6 +29,7 @@ __all__ = [
     "memory_by_rank",
     "merge_placement",
     "op_summary",
+    "save_trace",
     "show_comm",
     "show_placement",
     "show_tensors",
