@@ -98,7 +98,11 @@ def test_a_watchdog_diagnosis_in_a_notebook_is_short(kernel) -> None:
     assert "can never complete: rank 1 is not running this cell" in text
     assert "variables on the ranks were lost" in text
     assert "labkit/kernel" not in text and "During handling" not in text
-    assert len(text.splitlines()) <= 4, text
+    head, stacks = text.split("Python stacks of the ranks that had not finished", 1)
+    assert len(head.splitlines()) <= 4, text
+    # then rank 0's stack, short: the frames from torch's all_reduce to the cell's line
+    assert "--- rank 0 ---" in stacks and "dist.all_reduce(x)" in stacks, text
+    assert len(stacks.splitlines()) <= 10, text
 
 
 def test_a_rank_error_in_a_notebook_shows_the_users_frames_only(kernel) -> None:

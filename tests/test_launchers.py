@@ -71,9 +71,18 @@ class FakeChannel:
         self.status: dict = {}
         self.dead: dict = {}
         self.output = RankOutput()
+        self.stacks: dict = {}
+        self.asked: list = []
 
     def send(self, ranks, msg) -> None:
         self.sent.append((list(ranks), msg))
+
+    def ask_stacks(self, ranks) -> int:  # every rank answers at once
+        self.asked.append(list(ranks))
+        self.stacks[len(self.asked)] = {
+            r: {"text": f'Thread "MainThread":\n    stack of {r}', "where": None} for r in ranks
+        }
+        return len(self.asked)
 
     def pump(self, pending, expect, **kw):
         raise self.raises
@@ -109,6 +118,9 @@ def test_a_stuck_cell_is_reported_not_repaired() -> None:
     assert launcher.calls == []  # neither killed nor restarted: the lab decides that
     msg = {"type": "exec", "id": 7, "code": "1"}
     assert channel.sent == [([0], msg), ([1], msg)]
+    assert channel.asked == [[0, 1]]  # the ranks' stacks, for the message
+    assert "when labkit found the cell stuck" in outcome.stacks
+    assert "--- rank 0 ---\n    stack of 0\n--- rank 1 ---\n    stack of 1" in outcome.stacks
 
 
 def test_stop_interrupts_through_the_launcher_and_a_second_stop_is_stuck() -> None:
@@ -119,6 +131,7 @@ def test_stop_interrupts_through_the_launcher_and_a_second_stop_is_stuck() -> No
     )
     assert launcher.calls == ["interrupt [0, 1]"]
     assert str(outcome.stuck).startswith("Stop was pressed twice; rank 0 did not stop")
+    assert channel.asked == [[0, 1]] and "when Stop was pressed" in outcome.stacks  # asked once
 
 
 class PressedOnce(FakeChannel):
@@ -181,7 +194,11 @@ def test_recovery_note_names_the_dead_rank_first_and_what_was_lost() -> None:
     assert "Connection closed by peer" in note and "more" not in note
     assert "after 1.2 s" in note and "in 0.05 s: variables on the ranks were lost" in note
     stuck_attached = recovery_note(outcome, 1.0, None, "cannot restart: do X")
-    assert stuck_attached == "rank 0 died (exited with code 3)\ncannot restart: do X"
+    assert stuck_attached == (  # attached ranks too: the death first, then what it caused
+        "rank 0 died (exited with code 3)\n"
+        "because rank 0 died, rank 1 raised RuntimeError: Connection closed by peer\n"
+        "cannot restart: do X"
+    )
 
 
 def test_forked_ranks_can_restart_and_say_so() -> None:

@@ -6,9 +6,13 @@ interrupt) is never lost: pressed at any moment of the call, it interrupts the r
 launcher, which latches it on the rank (a cell not started yet does not start), re-sends it
 every `RESEND_S` and gives the ranks `STOP_GRACE` seconds; a second Stop gives up at once. A
 rank that has not taken the cell `ACK_S` after it was sent, while its heartbeats say it is
-alive, makes the cell stuck too (its request was lost). A cell that cannot finish is not
-repaired here: `run()` returns an outcome whose `stuck` says why, and the lab decides what
-recovery means for its ranks (a restart, or a lab marked unusable for ranks it cannot restart).
+alive, makes the cell stuck too (its request was lost). Stop and a stuck verdict also ask the
+running ranks for their Python stacks (labkit.kernel.stacks; Stop asks before it interrupts, so
+the stacks show where each rank was), waiting at most `STUCK_WAIT_S` for them: the outcome's
+`stacks` and a stopped rank's KeyboardInterrupt say where each rank was. A cell that cannot
+finish is not repaired here: `run()` returns an outcome whose `stuck` says why, and the lab
+decides what recovery means for its ranks (a restart, or a lab marked unusable for ranks it
+cannot restart).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from labkit.kernel.channel import Channel, Stuck
 from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.live import LiveStatus
 from labkit.kernel.results import CellState, LabkitWarning, RankResult, Results
+from labkit.kernel.stacks import STUCK_WAIT_S, collect, gather, stuck_text
 from labkit.kernel.watchdog import Watchdog, diagnose, op_text
 from labkit.wire.messages import Exec, KernelToRank
 
@@ -77,6 +82,7 @@ class CellOutcome:
     started: float
     stuck: Stuck | None = None
     errors: dict[int, dict[str, Any]] = field(default_factory=dict)
+    stacks: str = ""  # the Python stacks of the ranks still running when it was stuck
 
 
 class CellRun:
@@ -103,6 +109,7 @@ class CellRun:
         self.replies: dict[int, dict[str, Any]] = {}
         self.started = 0.0
         self._resent = 0.0
+        self._asked: tuple[int, list[int], float] | None = None  # stacks asked at Stop
 
     def run(self, msg: KernelToRank) -> CellOutcome:
         self.channel.output.reset()
@@ -138,10 +145,34 @@ class CellRun:
         finally:
             self.live.close()
         outcome = CellOutcome(self.replies, self.started, stuck)
+        try:
+            self._add_stacks(outcome)
+        except KeyboardInterrupt:  # Stop again while waiting for the stacks: go on without
+            pass
         outcome.errors = {r: m["error"] for r, m in self.replies.items() if m.get("error")}
         if stuck is None:
             self.channel.catch_up_streams(self.replies)
         return outcome
+
+    def _add_stacks(self, outcome: CellOutcome) -> None:
+        """Where the ranks were: the stacks asked at Stop, or (stuck) asked now; bounded."""
+        if self._asked is not None:
+            ask, ranks, at = self._asked
+            stacks = gather(self.channel, ask, ranks, at + STUCK_WAIT_S, at)
+            when = "when Stop was pressed"
+        elif outcome.stuck is not None:
+            running = [r for r in self.targets if r not in self.replies]
+            stacks = collect(self.channel, running, STUCK_WAIT_S)
+            when = "when labkit found the cell stuck"
+        else:
+            return
+        for r, where in stacks.where.items():
+            err = self.replies.get(r, {}).get("error")
+            if where and err and err["type"] == "KeyboardInterrupt" and not err["message"]:
+                err["message"] = f"Stop was pressed while rank {r} ran {where}"
+        if outcome.stuck is not None:
+            unfinished = {r: t for r, t in stacks.items() if r not in self.replies}
+            outcome.stacks = stuck_text(type(stacks)(unfinished, {}, stacks.answered), when)
 
     def _send(self, msg: KernelToRank) -> bool:
         """Send the request to every target, even if Stop is pressed meanwhile (a rank takes a
@@ -193,7 +224,8 @@ class CellRun:
         """Stop pressed: interrupt the running ranks, again every `RESEND_S` until they answer;
         ranks that do not stop within `STOP_GRACE` (or a second Stop) make the cell stuck."""
         running = [r for r in self.targets if r not in self.replies]
-        try:
+        try:  # stacks first: the rank takes them before the Stop behind them interrupts it
+            self._asked = (self.channel.ask_stacks(running), running, time.monotonic())
             self._interrupt(running)
             self.channel.pump(
                 set(running),
@@ -285,14 +317,15 @@ def recovery_note(
     """What the user reads after a stuck cell: why, and what became of the ranks."""
     assert outcome.stuck is not None
     reason, died, errors = str(outcome.stuck), outcome.stuck.died, outcome.errors
+    stacks = f"\n{outcome.stacks}" if outcome.stacks else ""
     if errors and died is not None:  # the death is the root cause; the peers' errors follow
         reason += f"\nbecause rank {died} died, " + "; ".join(
             f"rank {r} raised {e['type']}: {(e['message'].splitlines() or [''])[0][:160]}"
             for r, e in sorted(errors.items())
         )
     if restarted_in is None:  # ranks labkit cannot restart: the lab is unusable now
-        return f"{reason}\n{cannot_restart}"
+        return f"{reason}\n{cannot_restart}{stacks}"
     return (
         f"{reason}\nlabkit stopped the cell after {stopped_after:.1f} s and restarted the "
-        f"ranks in {restarted_in:.2f} s: variables on the ranks were lost."
+        f"ranks in {restarted_in:.2f} s: variables on the ranks were lost.{stacks}"
     )

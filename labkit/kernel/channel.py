@@ -3,7 +3,8 @@
 - `ctrl` (a ZeroMQ ROUTER) is used only by the thread that calls the lab: requests out,
   replies in.
 - `side` is read by the `labkit-io` thread: output lines are queued for the caller to print,
-  heartbeats update each rank's status (the line it runs, the comm op it is inside).
+  heartbeats update each rank's status (the line it runs, the comm op it is inside), answers to
+  `ask_stacks` are kept in `stacks` (any thread may ask: labkit.kernel.stacks).
 
 Forked ranks connect over Unix sockets in a private 0700 directory; ranks started by torchrun
 connect over TCP on the address the user chose (loopback by default).
@@ -25,6 +26,7 @@ generation are dropped, so a restart never mixes old and new replies.
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import signal
@@ -44,7 +46,7 @@ from labkit.kernel.output import RankOutput
 from labkit.kernel.results import LabError, LabkitWarning
 from labkit.wire.codec import AuthenticationError, Codec
 from labkit.wire.logfile import log_path
-from labkit.wire.messages import Done, Interrupt, KernelToRank, Leave, Ping
+from labkit.wire.messages import AskStacks, Done, Interrupt, KernelToRank, Leave, Ping
 
 CATCH_UP_S = 10.0  # the longest wait for output lines a `done` says were sent before it
 
@@ -68,6 +70,8 @@ class Channel(Admission):
         self.sock_dir = tempfile.mkdtemp(prefix="labkit-")  # 0700: only this user gets in
         self.gen = 0
         self.status: dict[int, dict[str, Any]] = {}  # rank -> its last heartbeat
+        self.stacks: dict[int, dict[int, dict[str, Any]]] = {}  # ask id -> rank -> `stacks`
+        self._ask_ids = itertools.count(1)  # next() is atomic: any thread may ask
         self.events: deque[tuple[Any, ...]] = deque()
         self.routes: dict[int, bytes] = {}  # rank -> ZeroMQ routing id of its ctrl socket
         self.dead: dict[int, int] = {}  # rank -> exit code (negative: signal)
@@ -112,6 +116,7 @@ class Channel(Admission):
         self.routes.clear()
         self._side_routes.clear()
         self.status.clear()
+        self.stacks.clear()
         self.events.clear()
         self.dead.clear()
         self._seen_seq = {}
@@ -166,6 +171,8 @@ class Channel(Admission):
                 self.status[msg["rank"]] = msg
             elif msg["type"] == "stream":
                 self._post("stream", msg)
+            elif msg["type"] == "stacks" and msg["id"] in self.stacks:
+                self.stacks[msg["id"]][msg["rank"]] = msg
 
     def _send_side_out(self) -> None:
         """Send queued side messages (Stop, leave) to ranks whose side route is known; keep the
@@ -199,7 +206,7 @@ class Channel(Admission):
                 raise LabError(f"rank {r} has not signed in, so nothing can be sent to it")
             self.ctrl.send_multipart([self.routes[r], *frames], copy=False)
 
-    def send_side(self, ranks: Iterable[int], msg: Interrupt | Leave) -> None:
+    def send_side(self, ranks: Iterable[int], msg: Interrupt | AskStacks | Leave) -> None:
         """A message on `side` (read by the rank's heartbeat thread, even while its user code
         runs), sent by the I/O thread once the rank's first heartbeat has shown its route."""
         for r in ranks:
@@ -211,6 +218,13 @@ class Channel(Admission):
         while self._side_out and time.monotonic() < deadline:
             time.sleep(0.01)
         return not self._side_out
+
+    def ask_stacks(self, ranks: Iterable[int]) -> int:
+        """Ask `ranks` for their stacks now; the answers land in `stacks[id]` (id returned)."""
+        ask = next(self._ask_ids)
+        self.stacks[ask] = {}
+        self.send_side(ranks, AskStacks(type="ask_stacks", id=ask))
+        return ask
 
     def send_interrupt(self, ranks: Iterable[int], cell: int) -> None:
         """Stop for `cell`: the rank latches it (see labkit.rank.worker)."""

@@ -1,6 +1,6 @@
 """`Lab`: persistent rank processes driven from a notebook kernel (kernel side).
 
-The lab is the public API (start, run, pull, push, trace, restart, stop) over three parts:
+The lab is the public API (start, run, pull, push, trace, stacks, restart, stop) over:
 
 - a `Channel` (labkit.kernel.channel): the sockets, the I/O thread and the one waiting loop;
 - a launcher (labkit.kernel.launcher): `ForkedRanks` forks the ranks here, `TorchrunRanks`
@@ -34,6 +34,7 @@ from labkit.kernel.logs import read_tail
 from labkit.kernel.policy import BACKENDS, DEVICES, check_world_size, threads_per_rank
 from labkit.kernel.rank_spec import parse_ranks
 from labkit.kernel.results import LabError, LabkitWarning, RemoteError, Results
+from labkit.kernel.stacks import STACKS_TIMEOUT, RankStacks, lab_stacks
 from labkit.wire.codec import Codec, new_key
 from labkit.wire.messages import Pull, Push, Trace
 
@@ -56,11 +57,6 @@ def current() -> Lab:
     if _current is None or _current.closed:
         raise LabError("no lab is running: start one with labkit.Lab(n) or %lab start n")
     return _current
-
-
-def _make_current(lab: Lab) -> None:
-    global _current
-    _current = lab
 
 
 class Lab:
@@ -164,7 +160,8 @@ class Lab:
                 self.offsets = self.channel.measure_offsets(list(self.pids))
             except Stuck as exc:  # a rank died or did not answer while starting
                 raise LabError(f"the ranks could not start: {exc}") from None
-            _make_current(self)
+            global _current
+            _current = self
             return self
 
     @classmethod
@@ -380,6 +377,11 @@ class Lab:
         return sorted(records, key=lambda rec: (rec.start, rec.rank))
 
     # -- what the notebook shows about the ranks --------------------------------------------
+    def stacks(self, ranks: Any = None, timeout: float = STACKS_TIMEOUT) -> RankStacks:
+        """Each rank's Python stacks now, idle or busy, also from another thread while a cell
+        runs (labkit.kernel.stacks). A rank that is dead, or silent for `timeout` s, says so."""
+        return lab_stacks(self, ranks, timeout)
+
     def log_tail(self, rank: int, lines: int = 12) -> str:
         """The last lines of a rank's log (what it printed last, even if it crashed)."""
         return read_tail(self.log_dir, rank, lines=lines, drop_noise=True)

@@ -4,6 +4,7 @@
 %lab attach N [--host H] [--port P] [--key-file F] [--nnodes K] [--rdzv HOST:PORT]
     [--allow NET ...] [--wait S]                                   ranks started by torchrun
 %lab status | %lab restart [N] | %lab stop | %lab logs RANK [--lines N]
+%lab stacks [RANKS] [--timeout S]   every rank's Python stacks now, idle or busy
 %lab run SCRIPT [ARGS...] [--timeout S before SCRIPT]   a torchrun script, unchanged, on every rank
 %%ranks [RANKS] [--timeout S] [--profile]   run the cell on every rank, or on RANKS (0,2 or 1-3)
 
@@ -31,7 +32,7 @@ from labkit.kernel.profiling import profile
 from labkit.kernel.results import RankValues
 from labkit.wire.logfile import log_path
 
-COMMANDS = ("start", "attach", "status", "restart", "stop", "logs", "run")
+COMMANDS = ("start", "attach", "status", "restart", "stop", "logs", "stacks", "run")
 
 
 def _count(text: str) -> int:
@@ -200,6 +201,20 @@ class LabMagics(Magics):
         """Show the end of a rank's complete output, kept on disk (it survives a crash)."""
         lab = lab_module.current()
         print(read_log(lab.log_dir, args.rank, lab.world_size, args.lines), end="")
+
+    @magic_arguments("lab stacks")
+    @argument("ranks", nargs="?", metavar="RANKS", help="all (default), or such as 0,2 or 1-3")
+    @argument(
+        "--timeout", type=_seconds, default=5.0, metavar="S", help="seconds to wait (default: 5)"
+    )
+    def _lab_stacks(self, args: argparse.Namespace) -> None:
+        """Show where each rank is: its threads' Python stacks, innermost frame first."""
+        lab = lab_module.current()
+        try:
+            lab.ranks(args.ranks)
+        except ValueError as exc:
+            raise UsageError(f"%lab stacks: {exc}\n{_usage(self._lab_stacks)}") from None
+        print(lab.stacks(args.ranks, timeout=args.timeout))
 
     @magic_arguments("lab run")
     @kwds(usage="%(prog)s [--timeout S] SCRIPT [ARGS ...]")  # argparse would call ARGS required

@@ -7,7 +7,8 @@ two ZeroMQ DEALER sockets to the kernel and serves requests until told to exit:
   `exit`), replies out (`hello`, `ready`, `done`, `pong`, `fatal`).
 - `side` (any thread, behind a lock): output lines (`stream`) and the heartbeat (`status`: busy
   or idle, the cell line running, the comm op the rank is inside, the last request taken). The
-  heartbeat thread also reads what the kernel sends on `side`: Stop (`interrupt`) and `leave`.
+  heartbeat thread reads the kernel's `side` messages every `SIDE_POLL_S`: Stop (`interrupt`),
+  `leave`, `ask_stacks` (answered with `stacks`, labkit.rank.stacks, even while busy).
 
 Neither socket sets a ZeroMQ identity: the kernel routes to the socket that proved who it is
 with a signed message, so another process cannot take over a rank's route by claiming its name.
@@ -42,7 +43,7 @@ from typing import Any
 
 import zmq
 
-from labkit.rank import process_group, trace
+from labkit.rank import process_group, stacks, trace
 from labkit.rank.capture import Capture
 from labkit.rank.user_code import (
     call_function,
@@ -67,6 +68,7 @@ from labkit.wire.messages import (
     Push,
     RankToKernel,
     Ready,
+    Stacks,
     Status,
     Stream,
     Trace,
@@ -74,7 +76,7 @@ from labkit.wire.messages import (
 
 HEARTBEAT_IDLE = 1.0
 HEARTBEAT_BUSY = 0.25
-SIDE_POLL_S = 0.05  # how often the heartbeat thread reads Stop while a cell runs
+SIDE_POLL_S = 0.05  # how often the heartbeat thread reads Stop and requests for stacks
 RESTOP_S = 1.0  # a stopped cell whose code goes on running is interrupted again after this
 REQUESTS = ("exec", "pull", "push", "trace")  # requests with a cell id, taken at most once
 MAX_VALUE_BYTES = 1 << 30
@@ -96,6 +98,7 @@ class Rank:
         self.taken = 0  # the id of the last request taken (ids only grow)
         self.stop_cell: int | None = None  # Stop latched for this cell
         self.stopped_at = 0.0  # when KeyboardInterrupt was last raised for it
+        self.stacks_out: list[Stacks] = []  # answers to `ask_stacks`, sent after `side_lock`
         self.store: Any = None
         self.ns: dict[str, Any] = {}
 
@@ -123,7 +126,8 @@ class Rank:
         threading.Thread(target=watch, name="labkit-kernel-link", daemon=True).start()
 
     def _take_side(self) -> None:
-        """Read what the kernel sent on `side` (call with `side_lock` held): Stop, leave."""
+        """Read what the kernel sent on `side` (call with `side_lock` held): Stop, leave, and
+        requests for stacks (taken before a Stop read in the same turn interrupts the cell)."""
         while self.side.poll(0):
             try:
                 msg = self.codec.decode(self.side.recv_multipart(copy=False))
@@ -132,6 +136,11 @@ class Rank:
                 continue
             if msg.get("type") == "interrupt" and msg["cell"] >= self.taken:
                 self.stop_cell = max(msg["cell"], self.stop_cell or 0)
+            elif msg.get("type") == "ask_stacks":
+                text, where = stacks.snapshot(self.busy_cell)
+                self.stacks_out.append(
+                    Stacks(type="stacks", id=msg["id"], busy=self.busy_cell, text=text, where=where)
+                )
             elif msg.get("type") == "leave":
                 print(f"labkit rank {self.rank}: leaving: {msg['why']}", file=sys.stderr)
                 self.capture.flush(timeout=1.0)
@@ -154,7 +163,7 @@ class Rank:
         msg.update(rank=self.rank, gen=self.gen)
         self.ctrl.send_multipart(self.codec.encode(msg), copy=False)
 
-    def send_side(self, msg: Stream | Status) -> None:
+    def send_side(self, msg: Stream | Status | Stacks) -> None:
         msg.update(rank=self.rank, gen=self.gen)
         with self.side_lock:
             if msg["type"] == "stream":
@@ -176,9 +185,7 @@ class Rank:
         self.capture = Capture(self.stream, log, cfg.capture_fds, header)
         if cfg.attached:
             self._leave_when_kernel_goes()
-        faulthandler.enable(
-            all_threads=False
-        )  # a segfault leaves its Python traceback in the output and log
+        faulthandler.enable(all_threads=False)  # a segfault's traceback goes to output and log
         builtins.input = no_input
         sys.breakpointhook = no_breakpoint
         signal.signal(signal.SIGINT, self._on_sigint)
@@ -274,12 +281,11 @@ class Rank:
         while True:  # the first heartbeat goes at once: the kernel learns the side route
             if os.getppid() != parent:  # our parent died: the lab is gone
                 os._exit(1)
-            with self.side_lock:
-                self._take_side()
+            self._read_side()
             status = Status(type="status", busy=self.busy_cell, time=time.time(), taken=self.taken)
             if self.busy_cell is not None:
                 status.update(
-                    line=self._running_line(), op=trace.current(), progress=trace.progress()
+                    line=stacks.running_line(), op=trace.current(), progress=trace.progress()
                 )
             try:
                 self.send_side(status)
@@ -289,20 +295,16 @@ class Rank:
             until = time.monotonic() + (HEARTBEAT_BUSY if busy else HEARTBEAT_IDLE)
             while time.monotonic() < until:
                 time.sleep(SIDE_POLL_S)
-                if self.busy_cell is not None:  # read Stop often while a cell runs
-                    if not busy:
-                        break  # a cell began: say so now
-                    with self.side_lock:
-                        self._take_side()
+                if self.busy_cell is not None and not busy:
+                    break  # a cell began: say so now
+                self._read_side()
 
-    def _running_line(self) -> int | None:
-        frame = sys._current_frames().get(threading.main_thread().ident)
-        line = None
-        while frame is not None:
-            if frame.f_code.co_filename.startswith("<cell-"):
-                line = frame.f_lineno
-            frame = frame.f_back
-        return line
+    def _read_side(self) -> None:
+        """Take what the kernel sent on `side`, then send the stacks it asked for."""
+        with self.side_lock:
+            self._take_side()
+        while self.stacks_out:
+            self.send_side(self.stacks_out.pop(0))
 
     # -- requests --------------------------------------------------------------------------
     def execute(self, msg: Exec) -> None:

@@ -26,6 +26,8 @@ between the kernel and its fork server, as one JSON object per line over the ser
 | side        | rank -> kernel | `Stream`        | output text (stdout/stderr), numbered           |
 | side        | rank -> kernel | `Status`        | heartbeat: busy cell, running line, comm op     |
 | side        | kernel -> rank | `Interrupt`     | Stop pressed, for a rank labkit cannot signal   |
+| side        | kernel -> rank | `AskStacks`     | send every thread's Python stack now            |
+| side        | rank -> kernel | `Stacks`        | ... the stacks, as text (the heartbeat thread)  |
 | server pipe | kernel -> srv  | `SpawnCommand`  | fork one rank with this `RankConfig`            |
 | server pipe | kernel -> srv  | `SignalCommand` | signal ranks the server forked                  |
 | server pipe | kernel -> srv  | `ExitCommand`   | kill the ranks and leave                        |
@@ -160,6 +162,14 @@ class Interrupt(TypedDict):
     cell: int
 
 
+class AskStacks(TypedDict):
+    """Send every thread's stack now: read and answered by the rank's heartbeat thread, so it
+    works while the main thread runs user code or waits in a C++ collective."""
+
+    type: Literal["ask_stacks"]
+    id: int  # the kernel's number for this request; the answer carries it
+
+
 class Leave(TypedDict):
     """The kernel gave up on a cell of ranks it cannot kill (attached): exit now."""
 
@@ -253,6 +263,14 @@ class Status(_Status, total=False):
     received: float  # set by the kernel on arrival (its monotonic clock); never sent
 
 
+class Stacks(FromRank):
+    type: Literal["stacks"]
+    id: int  # the `AskStacks` answered
+    busy: int | None  # the cell running, or None when idle
+    text: str  # every thread's stack, main thread first, innermost frame first (rank.stacks)
+    where: str | None  # the main thread's cell line ("line 3: time.sleep(60)"), if any
+
+
 # -- the fork server's pipes: JSON lines --------------------------------------------------------
 
 
@@ -302,9 +320,8 @@ class Exited(TypedDict):
 
 # -- by channel and direction -------------------------------------------------------------------
 
-KernelToRank = (
-    Init | Exec | Pull | Push | Trace | Ping | Exit | Welcome | Refused | Interrupt | Leave
-)
-RankToKernel = Attach | Hello | Ready | Done | Pong | Fatal | Stream | Status
+_KernelToRankCtrl = Init | Exec | Pull | Push | Trace | Ping | Exit | Welcome | Refused
+KernelToRank = _KernelToRankCtrl | Interrupt | AskStacks | Leave
+RankToKernel = Attach | Hello | Ready | Done | Pong | Fatal | Stream | Status | Stacks
 KernelToServer = SpawnCommand | SignalCommand | ExitCommand
 ServerToKernel = ServerHello | Spawned | Exited
