@@ -244,3 +244,38 @@ def test_fsdp2_all_gathers_and_reduce_scatters_are_traced():
     # per layer: the whole (gathered) parameters, 4 bytes each: 8*8+8 = 72 and 8*2+2 = 18
     assert ("all_gather_single", 72 * 4) in ops and ("reduce_scatter_single", 72 * 4) in ops
     assert ("all_gather_single", 18 * 4) in ops and ("reduce_scatter_single", 18 * 4) in ops
+
+
+@pytest.mark.timeout(180)
+def test_forked_ranks_records_are_on_the_kernels_clock_under_load(cpu_load) -> None:
+    """Forked ranks read this machine's clock: their offsets are exactly 0, so a span that can
+    only start after another rank's ended is never drawn before it, however busy the machine
+    (a measured offset erred by up to half a ping's round trip: tens of ms under load)."""
+    lab = labkit.Lab(2, device="cpu")
+    try:
+        lab.restart()  # the offsets are set on every start
+        assert lab.offsets == {0: 0.0, 1: 0.0}
+        lab.run(
+            """
+import time
+import labkit
+x = torch.zeros(1)
+for step in range(5):
+    if rank == 0:
+        with labkit.span("first"):
+            time.sleep(0.01)
+        dist.send(x, 1)
+    else:
+        dist.recv(x, 0)
+        with labkit.span("second"):
+            time.sleep(0.01)
+"""
+        ).raise_for_errors()
+        spans = [r for r in lab.trace() if r.kind == "span"]
+        firsts = sorted((r for r in spans if r.name == "first"), key=lambda r: r.start)
+        seconds = sorted((r for r in spans if r.name == "second"), key=lambda r: r.start)
+        assert len(firsts) == len(seconds) == 5
+        for a, b in zip(firsts, seconds):
+            assert b.start >= a.end, (a, b)
+    finally:
+        lab.stop()

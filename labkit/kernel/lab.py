@@ -157,7 +157,7 @@ class Lab:
                 raise LabError("the lab is already running; use restart() to start it anew")
             try:
                 self.launcher.start()
-                self.offsets = self.channel.measure_offsets(list(self.pids))
+                self.offsets = self.launcher.clock_offsets()
             except Stuck as exc:  # a rank died or did not answer while starting
                 raise LabError(f"the ranks could not start: {exc}") from None
             global _current
@@ -240,7 +240,7 @@ class Lab:
                 self.launcher.resize(world_size)
             self.launcher.kill()
             self.launcher.start()
-            self.offsets = self.channel.measure_offsets(list(self.pids))
+            self.offsets = self.launcher.clock_offsets()
             return self
 
     def stop(self) -> None:

@@ -60,6 +60,13 @@ class RankLauncher(ABC):
     def stop(self) -> None:
         """End the ranks and release what the launcher holds. Safe to call twice."""
 
+    def clock_offsets(self) -> dict[int, float]:
+        """Each rank's clock minus the kernel's, to put its records on the kernel's clock.
+
+        Measured by pings: ranks elsewhere (torchrun's) may run on other machines' clocks.
+        """
+        return self.channel.measure_offsets(list(self.pids))
+
     @property
     def server(self):  # noqa: ANN201 - the fork server handle, where there is one
         return None
