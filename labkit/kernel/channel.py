@@ -38,6 +38,7 @@ import zmq
 from labkit.kernel.logs import read_tail
 from labkit.kernel.output import RankOutput
 from labkit.kernel.results import LabError, LabkitWarning
+from labkit.wire import shm
 from labkit.wire.codec import AuthenticationError, Codec
 from labkit.wire.logfile import log_path
 from labkit.wire.messages import Done, Interrupt, KernelToRank, Leave, Ping
@@ -62,6 +63,8 @@ class Channel:
         self.listen = listen  # (host, port): ranks connect over TCP (started by torchrun)
         self.ctx = zmq.Context()
         self.sock_dir = tempfile.mkdtemp(prefix="labkit-")  # 0700: only this user gets in
+        self.shm_dir = shm.new_dir() if listen is None else None  # large tensors, same machine
+        codec.shm_dir = self.shm_dir
         self.gen = 0
         self.status: dict[int, dict[str, Any]] = {}  # rank -> its last heartbeat
         self.events: deque[tuple[Any, ...]] = deque()
@@ -109,6 +112,7 @@ class Channel:
         self.events.clear()
         self.dead.clear()
         self._seen_seq = {}
+        shm.sweep(self.shm_dir)  # segments the old ranks sent or were sent and never mapped
         return self.gen
 
     def close(self) -> None:
@@ -118,6 +122,7 @@ class Channel:
         os.close(self.wake_r)
         os.close(self.wake_w)
         shutil.rmtree(self.sock_dir, ignore_errors=True)
+        shm.remove(self.shm_dir)
 
     # -- the I/O thread ---------------------------------------------------------------------
     def _post(self, *event: Any) -> None:
@@ -168,7 +173,8 @@ class Channel:
             if gen != self.gen:
                 continue
             if rank in self._side_routes:
-                self.side.send_multipart([self._side_routes[rank], *self.codec.encode(out)])
+                frames = self.codec.encode(out, shared=False)
+                self.side.send_multipart([self._side_routes[rank], *frames])
             else:
                 held.append((gen, rank, out))
         self._side_out.extend(held)
@@ -185,7 +191,8 @@ class Channel:
 
     # -- sending ----------------------------------------------------------------------------
     def send(self, ranks: Iterable[int], msg: KernelToRank) -> None:
-        frames = self.codec.encode(msg)
+        ranks = list(ranks)  # shared memory only for one receiver: it unlinks what it maps
+        frames = self.codec.encode(msg, shared=len(ranks) == 1)
         for r in ranks:
             if r not in self.routes:
                 raise LabError(f"rank {r} has not signed in, so nothing can be sent to it")
