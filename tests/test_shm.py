@@ -67,6 +67,15 @@ def test_codec_sends_only_the_segment_path_and_the_receiver_unlinks_it():
         assert len(codec.encode({"v": t}, shared=False)) == 3
         assert len(codec.encode({"v": torch.zeros(16)})) == 3
         assert os.listdir(directory) == []
+        # a message to several receivers: they map without unlinking, the sender releases
+        kept: list[str] = []
+        frames = codec.encode({"v": t}, kept=kept)
+        first, second = codec.decode(frames)["v"], codec.decode(frames)["v"]
+        assert os.listdir(directory) == [os.path.basename(kept[0])]
+        shm.release(kept)
+        assert os.listdir(directory) == []
+        first.mul_(2)
+        same(second, t.contiguous())
         # a forged message naming a segment is rejected before anything is unpickled
         forged = Codec(new_key(), directory).encode({"v": torch.zeros(1 << 18)})
         with pytest.raises(AuthenticationError):
@@ -109,7 +118,8 @@ def test_pull_and_push_keep_dtype_values_and_flags_and_leave_nothing():
         ).values_by_rank
         for r in (0, 1):
             assert checks[r] == (torch.bfloat16, True, True, "Parameter", True, True, True)
-        lab.run("a.data.mul_(rank + 2)")  # each rank's copy is its own
+        # one file for both ranks, unlinked once both replied; a rank's writes stay its own
+        lab.run("a.data.mul_(rank + 2)")
         assert lab.pull("float(a.float().sum() / (rank + 2))")[1] == pytest.approx(
             want["bf"].float().sum().item(), rel=1e-2
         )

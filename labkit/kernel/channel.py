@@ -190,9 +190,19 @@ class Channel:
             pass
 
     # -- sending ----------------------------------------------------------------------------
-    def send(self, ranks: Iterable[int], msg: KernelToRank) -> None:
+    def encode_for_all(self, msg: KernelToRank) -> tuple[list[Any], list[str]]:
+        """`msg` encoded once for several ranks, and the shared-memory segments it names (the
+        ranks map them without unlinking: `labkit.wire.shm.release` them once all replied)."""
+        kept: list[str] = []
+        return self.codec.encode(msg, kept=kept), kept
+
+    def send(
+        self, ranks: Iterable[int], msg: KernelToRank, frames: list[Any] | None = None
+    ) -> None:
+        """Send `msg` (or its `frames` from `encode_for_all`) to each of `ranks`."""
         ranks = list(ranks)  # shared memory only for one receiver: it unlinks what it maps
-        frames = self.codec.encode(msg, shared=len(ranks) == 1)
+        if frames is None:
+            frames = self.codec.encode(msg, shared=len(ranks) == 1)
         for r in ranks:
             if r not in self.routes:
                 raise LabError(f"rank {r} has not signed in, so nothing can be sent to it")

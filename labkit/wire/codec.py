@@ -77,9 +77,12 @@ class _Pickler(cloudpickle.Pickler):
     tensor of `shm.MIN_BYTES` or more is written into a shared-memory segment there instead.
     """
 
-    def __init__(self, *args: Any, shm_dir: str | None = None, **kwargs: Any):
+    def __init__(
+        self, *args: Any, shm_dir: str | None = None, kept: list[str] | None = None, **kwargs: Any
+    ):
         super().__init__(*args, **kwargs)
         self.shm_dir = shm_dir
+        self.kept = kept  # given: the segments are the sender's to unlink (several receivers)
 
     def reducer_override(self, obj: Any) -> Any:
         torch = _torch_if_loaded()
@@ -96,7 +99,10 @@ class _Pickler(cloudpickle.Pickler):
             if self.shm_dir is not None and nbytes >= shm.MIN_BYTES:
                 raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
                 path = shm.write(self.shm_dir, raw)
-                args = (path, nbytes, dtype, tuple(t.shape), obj.requires_grad, is_param)
+                if self.kept is not None:
+                    self.kept.append(path)
+                unlink = self.kept is None
+                args = (path, nbytes, dtype, tuple(t.shape), obj.requires_grad, is_param, unlink)
                 return shm.rebuild_tensor, args
             raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
             buf = pickle.PickleBuffer(raw) if t.numel() else b""
@@ -112,10 +118,12 @@ def _torch_if_loaded() -> Any:
     return sys.modules.get("torch")
 
 
-def dumps(obj: Any, shm_dir: str | None = None) -> tuple[bytes, list[pickle.PickleBuffer]]:
+def dumps(
+    obj: Any, shm_dir: str | None = None, kept: list[str] | None = None
+) -> tuple[bytes, list[pickle.PickleBuffer]]:
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=buffers.append, shm_dir=shm_dir).dump(obj)
+    _Pickler(out, protocol=5, buffer_callback=buffers.append, shm_dir=shm_dir, kept=kept).dump(obj)
     return out.getvalue(), buffers
 
 
@@ -140,10 +148,13 @@ class Codec:
             mac.update(view)
         return nonce + mac.finalize()
 
-    def encode(self, msg: Mapping[str, Any], shared: bool = True) -> list[Any]:
-        """Sign and frame `msg`. `shared`: large tensors may go through shared memory (only
-        for a message with one receiver, who unlinks the segment when it maps it)."""
-        header, buffers = dumps(msg, self.shm_dir if shared else None)
+    def encode(
+        self, msg: Mapping[str, Any], shared: bool = True, kept: list[str] | None = None
+    ) -> list[Any]:
+        """Sign and frame `msg`. `shared`: large tensors may go through shared memory; the
+        receiver unlinks each segment when it maps it, unless `kept` is given: then the paths
+        are appended to it, for the sender to unlink once every receiver has replied."""
+        header, buffers = dumps(msg, self.shm_dir if shared else None, kept)
         frames: list[Any] = [header, *(b.raw() for b in buffers)]
         return [self._sign(frames, os.urandom(NONCE_BYTES)), *frames]
 

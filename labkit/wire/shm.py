@@ -6,7 +6,9 @@ directory under /dev/shm (made by `new_dir`, mode 0700, named `labkit-shm-*`), c
 `O_EXCL` and mode 0600 under a random name, and only its path travels, inside the signed
 message (`labkit.wire.codec`). The receiver checks the path, opens the file, unlinks it at once
 and maps it copy-on-write: the tensor it gets is backed by that mapping (no copy in the
-receiver), and the memory goes back to the system when the tensor is freed.
+receiver), and the memory goes back to the system when the tensor is freed. A request the
+kernel sends to several ranks writes each tensor once: every rank maps the same file (its
+writes stay its own), and the kernel unlinks it once every rank has replied (`release`).
 
 Nothing is left in /dev/shm: a file whose message was never received (its sender or receiver
 died, or the message was dropped) lies in the lab's directory, which the kernel empties at each
@@ -62,6 +64,15 @@ def remove(directory: str | None) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def release(paths: list[str]) -> None:
+    """Unlink segments that every receiver has mapped (a message sent to several ranks)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def write(directory: str, raw: memoryview) -> str:
     """Write `raw` (bytes of a contiguous tensor) into a new 0600 segment; returns its path."""
     path = os.path.join(directory, secrets.token_hex(16))
@@ -78,14 +89,16 @@ def write(directory: str, raw: memoryview) -> str:
     return path
 
 
-def read(path: str, nbytes: int) -> mmap.mmap:
-    """Open, unlink and map (copy-on-write) a segment that a signed message named."""
+def read(path: str, nbytes: int, unlink: bool = True) -> mmap.mmap:
+    """Open, unlink (unless the sender will: a message to several ranks) and map
+    (copy-on-write) a segment that a signed message named."""
     directory = os.path.dirname(path)
     if not is_lab_dir(directory) or os.path.basename(path) in ("", ".", ".."):
         raise ValueError(f"not a labkit shared-memory segment: {path!r}")
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        os.unlink(path)  # the mapping keeps the memory; the name goes at once
+        if unlink:
+            os.unlink(path)  # the mapping keeps the memory; the name goes at once
         size = os.fstat(fd).st_size
         if size != nbytes:
             raise ValueError(f"segment {path} holds {size} bytes, the message said {nbytes}")
@@ -95,12 +108,18 @@ def read(path: str, nbytes: int) -> mmap.mmap:
 
 
 def rebuild_tensor(
-    path: str, nbytes: int, dtype: str, shape: tuple[int, ...], requires_grad: bool, is_param: bool
+    path: str,
+    nbytes: int,
+    dtype: str,
+    shape: tuple[int, ...],
+    requires_grad: bool,
+    is_param: bool,
+    unlink: bool = True,
 ) -> Any:
     """The receiver's half (called while a verified message is unpickled)."""
     import torch
 
-    buf = read(path, nbytes)
+    buf = read(path, nbytes, unlink)
     with warnings.catch_warnings():  # torch warns about non-writable buffers; this one is ours
         warnings.simplefilter("ignore", UserWarning)
         t = torch.frombuffer(buf, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
