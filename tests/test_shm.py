@@ -3,6 +3,7 @@ nothing is left in /dev/shm after a stop, a rank killed mid-pull, or a kernel ki
 
 from __future__ import annotations
 
+import glob
 import os
 import stat
 import subprocess
@@ -186,3 +187,10 @@ def test_a_kernel_killed_with_segments_in_flight_leaves_nothing():
         time.sleep(0.05)
     assert not os.path.exists(directory), "the lab's /dev/shm directory outlived its kernel"
     assert not any(pid_alive(p) for p in pids), "the fork server or a rank outlived its kernel"
+
+
+def test_a_lab_refused_at_construction_leaves_no_directory():
+    before = set(glob.glob(os.path.join(shm.ROOT, shm.PREFIX + "*")))
+    with pytest.raises(ValueError, match="threads"):
+        labkit.Lab(2, threads=0, start=False)
+    assert set(glob.glob(os.path.join(shm.ROOT, shm.PREFIX + "*"))) <= before
