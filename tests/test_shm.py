@@ -77,6 +77,11 @@ def test_codec_sends_only_the_segment_path_and_the_receiver_unlinks_it():
         assert os.listdir(directory) == []
         first.mul_(2)
         same(second, t.contiguous())
+        # a segment that cannot be written (/dev/shm full, say): the bytes go as a frame
+        broken = Codec(codec.key, os.path.join(directory, "missing"))
+        frames = broken.encode({"v": t})
+        assert len(frames) == 3
+        same(codec.decode(frames)["v"], t.contiguous())
         # a forged message naming a segment is rejected before anything is unpickled
         forged = Codec(new_key(), directory).encode({"v": torch.zeros(1 << 18)})
         with pytest.raises(AuthenticationError):

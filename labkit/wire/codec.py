@@ -98,12 +98,24 @@ class _Pickler(cloudpickle.Pickler):
             nbytes = t.numel() * t.element_size()
             if self.shm_dir is not None and nbytes >= shm.MIN_BYTES:
                 raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                path = shm.write(self.shm_dir, raw)
-                if self.kept is not None:
-                    self.kept.append(path)
-                unlink = self.kept is None
-                args = (path, nbytes, dtype, tuple(t.shape), obj.requires_grad, is_param, unlink)
-                return shm.rebuild_tensor, args
+                try:
+                    path = shm.write(self.shm_dir, raw)
+                except OSError:  # /dev/shm full or gone: the socket still works
+                    path = None
+                if path is not None:
+                    if self.kept is not None:
+                        self.kept.append(path)
+                    unlink = self.kept is None
+                    args = (
+                        path,
+                        nbytes,
+                        dtype,
+                        tuple(t.shape),
+                        obj.requires_grad,
+                        is_param,
+                        unlink,
+                    )
+                    return shm.rebuild_tensor, args
             raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
             buf = pickle.PickleBuffer(raw) if t.numel() else b""
             return _rebuild_tensor, (buf, dtype, tuple(t.shape), obj.requires_grad, is_param)
