@@ -74,7 +74,11 @@ class FakeChannel:
         self.stacks: dict = {}
         self.asked: list = []
 
-    def send(self, ranks, msg) -> None:
+    def encode_for_all(self, msg):
+        return [msg], []
+
+    def send(self, ranks, msg, frames=None) -> None:
+        assert frames == [msg], "a cell is encoded once for all its ranks"
         self.sent.append((list(ranks), msg))
 
     def ask_stacks(self, ranks) -> int:  # every rank answers at once
@@ -142,11 +146,11 @@ class PressedOnce(FakeChannel):
         self.pressed = False
         self.pumps = 0
 
-    def send(self, ranks, msg) -> None:
+    def send(self, ranks, msg, frames=None) -> None:
         if ranks == [1] and not self.pressed:
             self.pressed = True
             raise KeyboardInterrupt
-        super().send(ranks, msg)
+        super().send(ranks, msg, frames)
 
     def pump(self, pending, expect, replies=None, watch=None, **kw):
         self.pumps += 1

@@ -31,6 +31,7 @@ from labkit.kernel.live import LiveStatus
 from labkit.kernel.results import CellState, LabkitWarning, RankResult, Results
 from labkit.kernel.stacks import STUCK_WAIT_S, collect, gather, stuck_text
 from labkit.kernel.watchdog import Watchdog, diagnose, op_text
+from labkit.wire import shm
 from labkit.wire.messages import Exec, KernelToRank
 
 STOP_GRACE = 3.0  # seconds ranks get to stop after Stop before the cell counts as stuck
@@ -116,9 +117,10 @@ class CellRun:
         self.started = time.monotonic()
         deadline = self.started + self.timeout if self.timeout else None
         stuck: Stuck | None = None
+        frames, segments = self.channel.encode_for_all(msg)  # tensors written once for all
         try:
             try:
-                pressed = self._send(msg)
+                pressed = self._send(msg, frames)
                 if pressed:
                     raise KeyboardInterrupt
                 self.channel.pump(
@@ -144,6 +146,8 @@ class CellRun:
             raise
         finally:
             self.live.close()
+            if all(r in self.replies for r in self.targets):  # each mapped them: unlink
+                shm.release(segments)  # (else the restart or stop sweeps them)
         outcome = CellOutcome(self.replies, self.started, stuck)
         try:
             self._add_stacks(outcome)
@@ -174,13 +178,13 @@ class CellRun:
             unfinished = {r: t for r, t in stacks.items() if r not in self.replies}
             outcome.stacks = stuck_text(type(stacks)(unfinished, {}, stacks.answered), when)
 
-    def _send(self, msg: KernelToRank) -> bool:
+    def _send(self, msg: KernelToRank, frames: list[Any]) -> bool:
         """Send the request to every target, even if Stop is pressed meanwhile (a rank takes a
         request id once, so one sent twice runs once). Returns whether Stop was pressed."""
         pressed, left = False, list(self.targets)
         while left:
             try:
-                self.channel.send(left[:1], msg)
+                self.channel.send(left[:1], msg, frames)
                 left.pop(0)
             except KeyboardInterrupt:
                 pressed = True

@@ -44,9 +44,10 @@ from labkit.kernel.admission import Admission
 from labkit.kernel.logs import read_tail
 from labkit.kernel.output import RankOutput
 from labkit.kernel.results import LabError, LabkitWarning
+from labkit.wire import shm
 from labkit.wire.codec import AuthenticationError, Codec
 from labkit.wire.logfile import log_path
-from labkit.wire.messages import AskStacks, Done, Interrupt, KernelToRank, Leave, Ping
+from labkit.wire.messages import AskStacks, Done, Interrupt, KernelToRank, Leave
 
 CATCH_UP_S = 10.0  # the longest wait for output lines a `done` says were sent before it
 
@@ -68,6 +69,8 @@ class Channel(Admission):
         self.listen = listen  # (host, port): ranks connect over TCP (started by torchrun)
         self.ctx = zmq.Context()
         self.sock_dir = tempfile.mkdtemp(prefix="labkit-")  # 0700: only this user gets in
+        self.shm_dir = shm.new_dir() if listen is None else None  # large tensors, same machine
+        codec.shm_dir = self.shm_dir
         self.gen = 0
         self.status: dict[int, dict[str, Any]] = {}  # rank -> its last heartbeat
         self.stacks: dict[int, dict[int, dict[str, Any]]] = {}  # ask id -> rank -> `stacks`
@@ -120,6 +123,7 @@ class Channel(Admission):
         self.events.clear()
         self.dead.clear()
         self._seen_seq = {}
+        shm.sweep(self.shm_dir)  # segments the old ranks sent or were sent and never mapped
         return self.gen
 
     def close(self) -> None:
@@ -129,6 +133,7 @@ class Channel(Admission):
         os.close(self.wake_r)
         os.close(self.wake_w)
         shutil.rmtree(self.sock_dir, ignore_errors=True)
+        shm.remove(self.shm_dir)
 
     # -- the I/O thread ---------------------------------------------------------------------
     def _post(self, *event: Any) -> None:
@@ -183,7 +188,8 @@ class Channel(Admission):
             if gen != self.gen:
                 continue
             if rank in self._side_routes:
-                self.side.send_multipart([self._side_routes[rank], *self.codec.encode(out)])
+                frames = self.codec.encode(out, shared=False)
+                self.side.send_multipart([self._side_routes[rank], *frames])
             else:
                 held.append((gen, rank, out))
         self._side_out.extend(held)
@@ -199,8 +205,19 @@ class Channel(Admission):
             pass
 
     # -- sending ----------------------------------------------------------------------------
-    def send(self, ranks: Iterable[int], msg: KernelToRank) -> None:
-        frames = self.codec.encode(msg)
+    def encode_for_all(self, msg: KernelToRank) -> tuple[list[Any], list[str]]:
+        """`msg` encoded once for several ranks, and the shared-memory segments it names (the
+        ranks map them without unlinking: `labkit.wire.shm.release` them once all replied)."""
+        kept: list[str] = []
+        return self.codec.encode(msg, kept=kept), kept
+
+    def send(
+        self, ranks: Iterable[int], msg: KernelToRank, frames: list[Any] | None = None
+    ) -> None:
+        """Send `msg` (or its `frames` from `encode_for_all`) to each of `ranks`."""
+        ranks = list(ranks)  # shared memory only for one receiver: it unlinks what it maps
+        if frames is None:
+            frames = self.codec.encode(msg, shared=len(ranks) == 1)
         for r in ranks:
             if r not in self.routes:
                 raise LabError(f"rank {r} has not signed in, so nothing can be sent to it")
@@ -375,20 +392,3 @@ class Channel(Admission):
             if all(self._seen_seq.get(r, 0) >= m.get("stream_seq", 0) for r, m in replies.items()):
                 return
             time.sleep(0.001)
-
-    def measure_offsets(self, ranks: list[int], pings: int = 5) -> dict[int, float]:
-        """Clock offset of each rank: its time minus the kernel's at a ping's midpoint.
-
-        The error is at most half the ping's round trip, which a busy machine stretches to
-        tens of ms: of `pings` pings, the one with the shortest round trip is kept.
-        """
-        best: dict[int, tuple[float, float]] = {}  # rank -> (round trip, offset)
-        for _ in range(pings):
-            t0 = time.time()
-            self.send(ranks, Ping(type="ping", id=0))
-            pongs = self.pump(set(ranks), "pong", msg_id=0, deadline=time.monotonic() + 10)
-            t1 = time.time()
-            for r in ranks:
-                sample = (t1 - t0, pongs[r]["time"] - (t0 + t1) / 2)
-                best[r] = min(best.get(r, sample), sample)
-        return {r: offset for r, (_, offset) in best.items()}

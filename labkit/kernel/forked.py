@@ -86,6 +86,7 @@ class ForkedRanks(RankLauncher):
                         master_addr="127.0.0.1",
                         pg_timeout=self.pg_timeout,
                         threads=threads,
+                        shm_dir=channel.shm_dir,
                     )
                 )
             self.pids = server.wait_pids(gen, list(range(n)))

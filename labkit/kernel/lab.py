@@ -89,8 +89,8 @@ class Lab:
         self.pg_timeout = pg_timeout
         self.log_dir = log_dir or tempfile.mkdtemp(prefix="labkit-logs-")
         os.makedirs(self.log_dir, exist_ok=True)
+        threads_per_rank(None, 1, threads)  # bad input raises here, before the channel exists
         self.channel = Channel(Codec(new_key()), self.log_dir, _listen)
-        threads_per_rank(None, 1, threads)  # bad input raises here
         self.launcher: RankLauncher = ForkedRanks(self.channel, self.requested, pg_timeout, threads)
         self.broken: str | None = None  # why a lab of attached ranks cannot run cells any more
         self.offsets: dict[int, float] = {}

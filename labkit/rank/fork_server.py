@@ -18,8 +18,9 @@ lines before a segfault, `os._exit` or SIGKILL) is drained into the rank's log b
 kernel hears of the exit, so output written before a fault is never lost.
 
 It only signals pids it forked and has not yet reaped, so a recycled pid is never hit. When the
-kernel dies (stdin closes, or the parent-death signal), it kills its ranks and leaves; each rank
-in turn dies with the server (parent-death signal and a heartbeat check of its parent pid).
+kernel dies (stdin closes, or the parent-death signal, SIGTERM here), it kills its ranks,
+removes the labs' shared-memory directories (`labkit.wire.shm`) and leaves; each rank in turn
+dies with the server (parent-death signal and a heartbeat check of its parent pid).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import signal
 import sys
 
 from labkit.rank.capture import MARKER
+from labkit.wire import shm
 from labkit.wire.config import RankConfig
 from labkit.wire.logfile import log_path
 from labkit.wire.messages import Exited, ServerHello, ServerToKernel, Spawned
@@ -40,10 +42,10 @@ from labkit.wire.messages import Exited, ServerHello, ServerToKernel, Spawned
 PR_SET_PDEATHSIG = 1
 
 
-def die_with_parent(parent: int) -> None:
-    """Ask Linux to SIGKILL this process when its parent dies; leave now if it already has."""
+def die_with_parent(parent: int, sig: int = signal.SIGKILL) -> None:
+    """Ask Linux to send `sig` to this process when its parent dies; leave now if it already has."""
     try:
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, sig)
     except (OSError, AttributeError):  # not Linux: the heartbeat checks still apply
         pass
     if os.getppid() != parent:
@@ -72,6 +74,7 @@ def facts() -> ServerHello:
 class Server:
     def __init__(self) -> None:
         self.children: dict[int, int] = {}  # pid -> rank
+        self.shm_dirs: set[str] = set()  # the labs' shared-memory directories, removed at exit
         self.pipes: dict[int, tuple[list[int], str | None]] = {}  # pid -> (read fds, log path)
         self.out = os.fdopen(os.dup(1), "w", buffering=1)
         self.wake_r, self.wake_w = os.pipe()
@@ -79,6 +82,14 @@ class Server:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, lambda *_: self.leave())  # the kernel died (PDEATHSIG)
+
+    def leave(self) -> None:
+        """Kill the ranks, remove the labs' shared-memory segments, and exit."""
+        self.kill(list(self.children), signal.SIGKILL)
+        for directory in self.shm_dirs:
+            shm.remove(directory)
+        os._exit(0)
 
     def say(self, msg: ServerToKernel) -> None:
         self.out.write(json.dumps(msg) + "\n")
@@ -86,6 +97,8 @@ class Server:
     def spawn(self, cfg: RankConfig) -> None:
         pipes = [os.pipe(), os.pipe()]  # stdout, stderr: (read, write)
         cfg = dataclasses.replace(cfg, capture_fds=(pipes[0][0], pipes[1][0]))
+        if cfg.shm_dir is not None:
+            self.shm_dirs.add(cfg.shm_dir)
         pid = os.fork()
         if pid == 0:
             os.dup2(pipes[0][1], 1)
@@ -106,7 +119,7 @@ class Server:
         try:
             parent = os.getppid()
             signal.set_wakeup_fd(-1)
-            for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):
+            for sig in (signal.SIGCHLD, signal.SIGINT, signal.SIGTERM):  # the server's handlers
                 signal.signal(sig, signal.SIG_DFL)
             os.setpgid(0, 0)  # its own group: a signal to one rank never reaches another
             die_with_parent(parent)
@@ -194,10 +207,9 @@ class Server:
                 elif msg["cmd"] == "signal":
                     self.kill(msg["pids"], msg["sig"])
                 elif msg["cmd"] == "exit":
-                    self.kill(list(self.children), signal.SIGKILL)
-                    return
+                    self.leave()
         del stdin
-        self.kill(list(self.children), signal.SIGKILL)
+        self.leave()
 
 
 def warm_up() -> None:
@@ -215,7 +227,7 @@ def warm_up() -> None:
 
 def main() -> None:
     parent = int(sys.argv[1])
-    die_with_parent(parent)
+    die_with_parent(parent, signal.SIGTERM)  # handled: its ranks and segments go with it
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # count GPUs without initialising CUDA
     server = Server()
     import torch  # noqa: F401 - the point of this process: import once, fork many times

@@ -87,7 +87,7 @@ class Rank:
         self.cfg = cfg
         self.rank = cfg.rank
         self.gen = cfg.gen
-        self.codec = Codec(cfg.key)
+        self.codec = Codec(cfg.key, cfg.shm_dir)
         self.ctx = zmq.Context()
         self.ctrl = self._connect(cfg.ctrl)
         self.side = self._connect(cfg.side)
@@ -169,7 +169,7 @@ class Rank:
             if msg["type"] == "stream":
                 self.stream_seq += 1
                 msg["seq"] = self.stream_seq
-            self.side.send_multipart(self.codec.encode(msg), copy=False)
+            self.side.send_multipart(self.codec.encode(msg, shared=False), copy=False)
 
     def stream(self, name: str, text: str) -> None:
         self.send_side(Stream(type="stream", name=name, text=text, cell=self.busy_cell))

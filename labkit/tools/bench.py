@@ -1,18 +1,28 @@
 """Speed and memory of a lab, each beside a floor measured in the same run (runs in a shell).
 
-    python -m labkit.tools.bench [--ranks 4] [--cells 1000] [--json out.json]
+    python -m labkit.bench [--ranks 4] [--scale 2,4,8,16] [--cells 1000] [--quick] [--json F]
 
-- no-op `%%ranks` cell through a real kernel, interleaved with the kernel's own no-op cell
+The main table (4 ranks by default; targets in the last column):
+- a no-op `%%ranks` cell through a real kernel, interleaved with the kernel's own no-op cell
   (the floor), median of 50 pairs; target: within 1 ms of the floor;
-- `Lab(n)` ready, cold (a fresh process, torch not yet imported; floor: `import torch`),
-  target 1.6 s; and with the fork server already warm (after `%load_ext labkit`);
-- `lab.restart()`, median of 5; target 0.4 s;
-- `lab.pull` of 16 MB from each rank, aggregate, median of 15 (floor: a memcpy of the same
-  bytes); 1.5 GB/s;
-- a 1 MB all_reduce with tracing on vs off (raw torch.distributed), median of 200; +5 %;
-- kernel RSS growth over N `%%ranks` cells; 20 MB.
+- start of the ranks, cold (a fresh process; floor: `import torch`) and with the fork server
+  warm (after `%load_ext labkit`); `lab.restart()`;
+- a cell with a 1M-float all_reduce, beside the same all_reduce in plain torch.distributed
+  processes (the floor, `bench_others.raw_allreduce`); target: x1.3, and no slower than
+  ipyparallel's;
+- pull and push of 16 MiB per rank (large tensors go through /dev/shm, `labkit.wire.shm`),
+  beside a copy of the same bytes in this process; target: x2.5;
+- a 1 MiB all_reduce with tracing on vs off; +5 %;
+- the kernel's RSS growth over N `%%ranks` cells; 20 MB.
 
-Timings on a shared machine are noisy: read the ratios, and run it twice.
+ipyparallel does the same (start, no-op cell, all_reduce cell, pull) in the same run when it is
+installed (`pip install 'labkit[bench]'`); the output says so when it is not.
+
+The scaling table: start, restart, a no-op cell, the all_reduce cell and pull for 2, 4, 8 and
+16 ranks, with the growth from the smallest to the largest.
+
+Timings on a shared machine are noisy: the load averages are printed before and after; read the
+ratios, and run it twice. `--quick` (ranks 2 and 4, fewer repeats) takes about a minute.
 """
 
 from __future__ import annotations
@@ -25,6 +35,8 @@ import subprocess
 import sys
 import time
 from typing import Any
+
+from labkit.tools import bench_others
 
 COLD = """
 import time, sys
@@ -58,7 +70,30 @@ def cold_start(n: int) -> tuple[float, float]:
     return lab_cold, torch_import
 
 
-def warm_start_and_restart(n: int) -> tuple[float, float]:
+def _median_time(fn: Any, k: int) -> float:
+    times = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_floor(nbytes: int) -> float:
+    """Median seconds of a plain copy of `nbytes` in this process (the pull and push floor)."""
+    import torch
+
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return _median_time(lambda: dst.copy_(src), 7)
+
+
+def scaling(n: int, reps: int) -> dict[str, float]:
+    """One lab of `n` ranks, the fork server warm: start, restart, a no-op cell (lab.run, not
+    through a kernel), a 1M-float all_reduce cell, and pull / push of 16 MiB per rank."""
+    import torch
+
     import labkit
     from labkit.kernel import spawn
 
@@ -66,39 +101,29 @@ def warm_start_and_restart(n: int) -> tuple[float, float]:
     spawn._spare.wait_facts()  # type: ignore[union-attr]
     t0 = time.perf_counter()
     lab = labkit.Lab(n, device="cpu")
-    warm = time.perf_counter() - t0
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        lab.restart()
-        times.append(time.perf_counter() - t0)
-    lab.stop()
-    return warm, statistics.median(times)
-
-
-def pull_bandwidth(n: int) -> tuple[float, float]:
-    import torch
-
-    import labkit
-
-    lab = labkit.Lab(n, device="cpu")
-    lab.run("big = torch.randn(4, 1024, 1024)")  # 16 MiB per rank
-    lab.pull("big")
-    times = []
-    for _ in range(15):  # this VM's bandwidth swings between runs: take a median of many
-        t0 = time.perf_counter()
+    start = time.perf_counter() - t0
+    try:
+        restart = _median_time(lab.restart, max(2, reps // 10))
+        lab.run("pass")
+        noop = _median_time(lambda: lab.run("pass"), reps)
+        lab.run(f"t = torch.randn({bench_others.NUMEL}); big = torch.randn(4, 1024, 1024)")
+        lab.run("dist.all_reduce(t)")
+        allreduce = _median_time(lambda: lab.run("dist.all_reduce(t)"), reps)
         lab.pull("big")
-        times.append(time.perf_counter() - t0)
-    lab.stop()
-    nbytes = n * 16 * 2**20
-    src = torch.randn(n * 4, 1024, 1024)
-    dst = torch.empty_like(src)
-    copies = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        copies.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times) / 1e9, nbytes / min(copies) / 1e9
+        pull = _median_time(lambda: lab.pull("big"), max(3, reps // 4))
+        x = torch.randn(4, 1024, 1024)
+        push = _median_time(lambda: lab.push(x=x), max(3, reps // 4))
+    finally:
+        lab.stop()
+    return {
+        "start_s": start,
+        "restart_s": restart,
+        "noop_s": noop,
+        "allreduce_s": allreduce,
+        "pull_s": pull,
+        "push_s": push,
+        "copy_s": copy_floor(n * 16 * 2**20),
+    }
 
 
 TRACE_COST = """
@@ -108,7 +133,7 @@ for _ in range(20):
     dist.all_reduce(t)
 def timed():
     out = []
-    for _ in range(200):
+    for _ in range({reps}):
         dist.barrier()
         t0 = time.perf_counter()
         dist.all_reduce(t)
@@ -118,21 +143,22 @@ timed()
 """
 
 
-def trace_overhead(n: int) -> tuple[float, float]:
+def trace_overhead(n: int, reps: int) -> tuple[float, float]:
     import labkit
 
     lab = labkit.Lab(n, device="cpu")
     on, off = [], []
+    code = TRACE_COST.replace("{reps}", str(reps))
     for _ in range(3):
         lab.trace(enabled=True)
-        on.append(statistics.median(lab.run(TRACE_COST).values_by_rank.values()))
+        on.append(statistics.median(lab.run(code).values_by_rank.values()))
         lab.trace(enabled=False)
-        off.append(statistics.median(lab.run(TRACE_COST).values_by_rank.values()))
+        off.append(statistics.median(lab.run(code).values_by_rank.values()))
     lab.stop()
     return min(on), min(off)
 
 
-def kernel_cells(n: int, cells: int) -> dict[str, float]:
+def kernel_cells(n: int, cells: int, pairs: int) -> dict[str, float]:
     """No-op cell latency and RSS growth, through a real IPython kernel."""
     from jupyter_client.manager import start_new_kernel
 
@@ -151,9 +177,9 @@ def kernel_cells(n: int, cells: int) -> dict[str, float]:
         for _ in range(20):
             run("pass")
             run("%%ranks\npass")
-        pairs = [(run("pass"), run("%%ranks\npass")) for _ in range(50)]
-        own = statistics.median(p[0] for p in pairs)
-        ranks = statistics.median(p[1] for p in pairs)
+        timed = [(run("pass"), run("%%ranks\npass")) for _ in range(pairs)]
+        own = statistics.median(p[0] for p in timed)
+        ranks = statistics.median(p[1] for p in timed)
         pid = km.provisioner.process.pid  # type: ignore[union-attr]
         rss0 = _rss(pid)
         for _ in range(cells):
@@ -174,80 +200,162 @@ def _rss(pid: int) -> float:
     return float("nan")
 
 
+def _load() -> str:
+    one, five, fifteen = os.getloadavg()
+    return f"load average {one:.1f} {five:.1f} {fifteen:.1f} (1, 5, 15 min)"
+
+
+def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    lines = [head, tuple("-" * w for w in widths), *rows]
+    return "\n".join("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in lines)
+
+
+def _ms(s: float) -> str:
+    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
-        prog="python -m labkit.tools.bench",
+        prog="python -m labkit.bench",
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--ranks", type=int, default=4)
-    p.add_argument("--cells", type=int, default=1000)
+    p.add_argument("--ranks", type=int, default=4, help="ranks of the main table (default 4)")
+    p.add_argument("--scale", default="2,4,8,16", help="rank counts of the scaling table")
+    p.add_argument("--cells", type=int, default=1000, help="cells for the kernel's RSS growth")
+    p.add_argument("--quick", action="store_true", help="fewer repeats, ranks 2 and 4 (~1 min)")
+    p.add_argument(
+        "--no-ipyparallel", action="store_true", help="skip ipyparallel even if installed"
+    )
     p.add_argument("--json")
     args = p.parse_args(argv)
     n = args.ranks
-    rows: list[tuple[str, str, str, str, str]] = []
-    res: dict[str, Any] = {"ranks": n, "cpus": os.cpu_count()}
+    reps = 10 if args.quick else 30
+    scale = [2, n] if args.quick else [int(k) for k in args.scale.split(",")]
+    cells = min(args.cells, 200) if args.quick else args.cells
+    t_start = time.perf_counter()
+    import torch
 
-    k = kernel_cells(n, args.cells)
-    res.update(
-        noop_kernel_ms=k["own"] * 1e3, noop_ranks_ms=k["ranks"] * 1e3, rss_growth_mb=k["rss_growth"]
-    )
-    extra = (k["ranks"] - k["own"]) * 1e3
-    rows.append(
-        (
-            "no-op %%ranks cell",
-            f"{k['ranks'] * 1e3:.2f} ms",
-            f"{k['own'] * 1e3:.2f} ms (kernel no-op)",
-            f"+{extra:.2f} ms",
-            "+1 ms",
-        )
-    )
+    res: dict[str, Any] = {"ranks": n, "cpus": os.cpu_count(), "torch": torch.__version__}
+    res["load_before"] = os.getloadavg()
+    print(f"labkit benchmark: {n} CPU ranks on {os.cpu_count()} cores; {_load()}", flush=True)
+
+    k = kernel_cells(n, cells, 20 if args.quick else 50)
     cold, torch_import = cold_start(n)
-    res.update(cold_start_s=cold, torch_import_s=torch_import)
-    rows.append(
-        (
-            f"Lab({n}) cold",
-            f"{cold:.2f} s",
-            f"{torch_import:.2f} s (import torch)",
-            f"x{cold / torch_import:.2f}",
-            "1.6 s",
-        )
-    )
-    warm, restart = warm_start_and_restart(n)
-    res.update(warm_start_s=warm, restart_s=restart)
-    rows.append((f"Lab({n}) fork server warm", f"{warm:.2f} s", "-", "-", "-"))
-    rows.append(("restart()", f"{restart:.3f} s", "-", "-", "0.4 s"))
-    gbps, memcpy = pull_bandwidth(n)
-    res.update(pull_gbps=gbps, memcpy_gbps=memcpy)
-    rows.append(
-        (
-            f"pull 16 MB x {n}",
-            f"{gbps:.2f} GB/s",
-            f"{memcpy:.2f} GB/s (memcpy)",
-            f"x{gbps / memcpy:.2f}",
-            "1.5 GB/s",
-        )
-    )
-    on, off = trace_overhead(n)
-    res.update(allreduce_traced_ms=on * 1e3, allreduce_raw_ms=off * 1e3)
-    rows.append(
-        (
-            "1 MB all_reduce traced",
-            f"{on * 1e3:.3f} ms",
-            f"{off * 1e3:.3f} ms (raw)",
-            f"{(on / off - 1) * 100:+.1f} %",
-            "+5 %",
-        )
-    )
-    rows.append(
-        (f"kernel RSS over {args.cells} cells", f"{k['rss_growth']:+.1f} MB", "-", "-", "20 MB")
-    )
+    rows_n = {m: scaling(m, reps) for m in sorted({*scale, n})}
+    main_n = rows_n[n]
+    raw = bench_others.raw_allreduce(n, reps * 3)
+    ipp = None if args.no_ipyparallel else bench_others.ipyparallel_cells(n, reps, 16)
+    on, off = trace_overhead(n, 50 if args.quick else 200)
+    res.update(kernel=k, cold_start_s=cold, torch_import_s=torch_import, scaling=rows_n)
+    res.update(raw_allreduce_s=raw, ipyparallel=ipp, traced_s=on, untraced_s=off)
+    res["load_after"] = os.getloadavg()
 
-    head = ("metric", "measured", "floor (same run)", "vs floor", "target")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
-    for row in [head, tuple("-" * w for w in widths), *rows]:
-        print("| " + " | ".join(c.ljust(w) for c, w in zip(row, widths)) + " |")
-    print(f"\n{n} CPU ranks on {os.cpu_count()} cores")
+    def other(key: str) -> str:
+        return _ms(ipp[key]) if ipp else "-"
+
+    head = ("metric", "labkit", "floor (same run)", "vs floor", "ipyparallel", "target")
+    extra = (k["ranks"] - k["own"]) * 1e3
+    pull_x, push_x = main_n["pull_s"] / main_n["copy_s"], main_n["push_s"] / main_n["copy_s"]
+    rows = [
+        (
+            "no-op %%ranks cell (kernel)",
+            _ms(k["ranks"]),
+            f"{_ms(k['own'])} kernel no-op",
+            f"+{extra:.2f} ms",
+            other("noop_s"),
+            "+1 ms",
+        ),
+        (
+            f"start {n} ranks, cold",
+            _ms(cold),
+            f"{_ms(torch_import)} import torch",
+            f"x{cold / torch_import:.2f}",
+            other("start_s"),
+            "-",
+        ),
+        (f"start {n} ranks, fork server warm", _ms(main_n["start_s"]), "-", "-", "-", "-"),
+        ("restart()", _ms(main_n["restart_s"]), "-", "-", "-", "-"),
+        (
+            "1M-float all_reduce cell",
+            _ms(main_n["allreduce_s"]),
+            f"{_ms(raw)} raw torch.distributed",
+            f"x{main_n['allreduce_s'] / raw:.2f}",
+            other("allreduce_s"),
+            "x1.3, <= ipyparallel",
+        ),
+        (
+            f"pull 16 MiB x {n}",
+            _ms(main_n["pull_s"]),
+            f"{_ms(main_n['copy_s'])} copy",
+            f"x{pull_x:.2f}",
+            other("pull_s"),
+            "x2.5",
+        ),
+        (
+            f"push 16 MiB to {n}",
+            _ms(main_n["push_s"]),
+            f"{_ms(main_n['copy_s'])} copy",
+            f"x{push_x:.2f}",
+            "-",
+            "x2.5",
+        ),
+        (
+            "1 MiB all_reduce traced",
+            _ms(on),
+            f"{_ms(off)} untraced",
+            f"{(on / off - 1) * 100:+.1f} %",
+            "-",
+            "+5 %",
+        ),
+        (f"kernel RSS over {cells} cells", f"{k['rss_growth']:+.1f} MB", "-", "-", "-", "20 MB"),
+    ]
+    print()
+    print(_table(head, rows))
+    print()
+    shead = (
+        "ranks",
+        "start (warm)",
+        "restart",
+        "no-op cell",
+        "all_reduce cell",
+        "pull 16 MiB each",
+        "pull vs copy",
+    )
+    srows = [
+        (
+            str(m),
+            _ms(r["start_s"]),
+            _ms(r["restart_s"]),
+            _ms(r["noop_s"]),
+            _ms(r["allreduce_s"]),
+            _ms(r["pull_s"]),
+            f"x{r['pull_s'] / r['copy_s']:.2f}",
+        )
+        for m, r in sorted(rows_n.items())
+    ]
+    print(_table(shead, srows))
+    lo, hi = min(rows_n), max(rows_n)
+    for key, what in (("start_s", "start"), ("noop_s", "no-op cell"), ("pull_s", "pull")):
+        growth = rows_n[hi][key] / rows_n[lo][key]
+        print(f"{what}: x{growth:.1f} from {lo} to {hi} ranks ({hi // lo}x the ranks)")
+    print()
+    print(
+        "floors: `import torch` in a fresh process; the kernel's own no-op cell; the same "
+        "all_reduce in plain torch.distributed processes (gloo, same threads per rank); a copy "
+        "of the same bytes in this process. Medians; no-op cells through a real kernel are "
+        "interleaved pairs, the scaling table's cells go through lab.run."
+    )
+    if ipp:
+        print(f"ipyparallel {ipp['version']}: {n} engines started in this run.")
+    else:
+        why = "skipped" if args.no_ipyparallel else "not installed (pip install 'labkit[bench]')"
+        print(f"ipyparallel: {why}.")
+    print(
+        f"torch {torch.__version__}, {os.cpu_count()} cores; {_load()} at the end; "
+        f"took {time.perf_counter() - t_start:.0f} s"
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=2)

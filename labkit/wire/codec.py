@@ -19,6 +19,11 @@ A message is a dict. On the wire it is a ZeroMQ multipart message:
   are remembered: a lab's kernel and ranks over many restarts). The window tolerates
   messages from one sender arriving out of order over two sockets (ctrl and side).
 
+A large tensor (`labkit.wire.shm.MIN_BYTES` or more) in a message to one receiver on the same
+machine travels through a shared-memory segment instead of a frame, when the codec has a
+segment directory (forked labs): only the segment's path is in the signed header
+(`labkit.wire.shm`).
+
 Every message has a `type`; the messages and their fields are defined once, in
 `labkit.wire.messages`.
 """
@@ -37,6 +42,8 @@ from typing import Any
 
 import cloudpickle
 from cryptography.hazmat.primitives.poly1305 import Poly1305
+
+from labkit.wire import shm
 
 KEY_BYTES = 32
 NONCE_BYTES = 16
@@ -76,8 +83,16 @@ def _rebuild_tensor(
 class _Pickler(cloudpickle.Pickler):
     """Pickles tensors as (dtype, shape, raw bytes out of band), always on the CPU.
 
-    cloudpickle carries functions and classes defined in a cell by value.
+    cloudpickle carries functions and classes defined in a cell by value. With `shm_dir`, a
+    tensor of `shm.MIN_BYTES` or more is written into a shared-memory segment there instead.
     """
+
+    def __init__(
+        self, *args: Any, shm_dir: str | None = None, kept: list[str] | None = None, **kwargs: Any
+    ):
+        super().__init__(*args, **kwargs)
+        self.shm_dir = shm_dir
+        self.kept = kept  # given: the segments are the sender's to unlink (several receivers)
 
     def reducer_override(self, obj: Any) -> Any:
         torch = _torch_if_loaded()
@@ -89,9 +104,30 @@ class _Pickler(cloudpickle.Pickler):
                 return NotImplemented
             t = t.contiguous()
             dtype = str(t.dtype).removeprefix("torch.")
+            is_param = type(obj) is not torch.Tensor
+            nbytes = t.numel() * t.element_size()
+            if self.shm_dir is not None and nbytes >= shm.MIN_BYTES:
+                raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                try:
+                    path = shm.write(self.shm_dir, raw)
+                except OSError:  # /dev/shm full or gone: the socket still works
+                    path = None
+                if path is not None:
+                    if self.kept is not None:
+                        self.kept.append(path)
+                    unlink = self.kept is None
+                    args = (
+                        path,
+                        nbytes,
+                        dtype,
+                        tuple(t.shape),
+                        obj.requires_grad,
+                        is_param,
+                        unlink,
+                    )
+                    return shm.rebuild_tensor, args
             raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
             buf = pickle.PickleBuffer(raw) if t.numel() else b""
-            is_param = type(obj) is not torch.Tensor
             return _rebuild_tensor, (buf, dtype, tuple(t.shape), obj.requires_grad, is_param)
         return super().reducer_override(obj)
 
@@ -104,20 +140,27 @@ def _torch_if_loaded() -> Any:
     return sys.modules.get("torch")
 
 
-def dumps(obj: Any) -> tuple[bytes, list[pickle.PickleBuffer]]:
+def dumps(
+    obj: Any, shm_dir: str | None = None, kept: list[str] | None = None
+) -> tuple[bytes, list[pickle.PickleBuffer]]:
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=buffers.append).dump(obj)
+    _Pickler(out, protocol=5, buffer_callback=buffers.append, shm_dir=shm_dir, kept=kept).dump(obj)
     return out.getvalue(), buffers
 
 
 class Codec:
-    """Signs and verifies messages with one lab's key."""
+    """Signs and verifies messages with one lab's key.
 
-    def __init__(self, key: bytes):
+    `shm_dir`: the lab's shared-memory directory (`shm.new_dir()`), or None to send every
+    tensor through the socket (ranks on other machines).
+    """
+
+    def __init__(self, key: bytes, shm_dir: str | None = None):
         if len(key) < 16:
             raise ValueError(f"key must be at least 16 bytes, got {len(key)}")
         self.key = key
+        self.shm_dir = shm_dir
         self._lock = threading.Lock()
         self._pid = 0
         self._sender = b""
@@ -158,8 +201,13 @@ class Codec:
             mac.update(view)
         return nonce + mac.finalize()
 
-    def encode(self, msg: Mapping[str, Any]) -> list[Any]:
-        header, buffers = dumps(msg)
+    def encode(
+        self, msg: Mapping[str, Any], shared: bool = True, kept: list[str] | None = None
+    ) -> list[Any]:
+        """Sign and frame `msg`. `shared`: large tensors may go through shared memory; the
+        receiver unlinks each segment when it maps it, unless `kept` is given: then the paths
+        are appended to it, for the sender to unlink once every receiver has replied."""
+        header, buffers = dumps(msg, self.shm_dir if shared else None, kept)
         frames: list[Any] = [header, *(b.raw() for b in buffers)]
         return [self._sign(frames, self._nonce()), *frames]
 

@@ -41,6 +41,8 @@ class RankConfig:
     capture_fds: tuple[int, int] | None = None  # read ends of the stdout/stderr pipes that the
     # fork server made before forking (it keeps copies to drain after a crash); None: the rank
     # makes its own pipes
+    shm_dir: str | None = None  # the lab's shared-memory directory (labkit.wire.shm); None:
+    # every tensor through the socket
 
     def __post_init__(self) -> None:
         _int_at_least("world_size", self.world_size, 1)
@@ -85,6 +87,12 @@ class RankConfig:
             _int_at_least("threads", self.threads, 1)
         if not isinstance(self.attached, bool):
             raise ValueError(f"attached must be True or False, got {self.attached!r}")
+        if self.shm_dir is not None and not (
+            isinstance(self.shm_dir, str) and self.shm_dir.startswith("/dev/shm/labkit-shm-")
+        ):
+            raise ValueError(
+                f"shm_dir must be None or a /dev/shm/labkit-shm-* directory, got {self.shm_dir!r}"
+            )
         if self.capture_fds is not None and (
             len(self.capture_fds) != 2
             or not all(_is_int(fd) and fd >= 0 for fd in self.capture_fds)

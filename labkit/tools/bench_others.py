@@ -1,0 +1,125 @@
+"""The benchmark's comparisons outside labkit (runs in a shell, from `labkit.tools.bench`).
+
+- `raw_allreduce`: the same all_reduce in plain torch.distributed processes (gloo, the thread
+  budget labkit gives its ranks), timed inside the processes: the floor of a collective cell;
+- `ipyparallel_cells`: ipyparallel's engines doing the same work from the same process
+  (start, a no-op cell, the collective cell, a pull), when ipyparallel is installed
+  (`pip install labkit[bench]`); None when it is not.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from typing import Any
+
+from labkit.kernel.policy import threads_per_rank
+
+NUMEL = 1 << 20  # a 1M-float (4 MiB) all_reduce
+
+RAW = textwrap.dedent("""
+    import os, statistics, sys, time, torch, torch.distributed as dist
+    rank, n, port, threads, reps = (int(a) for a in sys.argv[1:6])
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=n)
+    t = torch.randn(NUMEL)
+    for _ in range(5):
+        dist.all_reduce(t)
+    times = []
+    for _ in range(reps):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        times.append(time.perf_counter() - t0)
+    # the op ends when its slowest rank's ends: take each rep's maximum over the ranks
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    if rank == 0:
+        print(statistics.median(slowest.tolist()))
+    dist.destroy_process_group()
+""").replace("NUMEL", str(NUMEL))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def raw_allreduce(n: int, reps: int) -> float:
+    """Median seconds of a 1M-float all_reduce in `n` plain torch.distributed processes."""
+    threads = threads_per_rank(os.cpu_count(), n) or 1
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", RAW, *map(str, (r, n, port, threads, reps))],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(n)
+    ]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError(f"the raw torch.distributed processes failed: {outs}")
+    return float(outs[0].strip().splitlines()[-1])
+
+
+def ipyparallel_cells(n: int, reps: int, pull_mb: int) -> dict[str, Any] | None:
+    """Start `n` ipyparallel engines and time what labkit's table times, or None."""
+    try:
+        import ipyparallel as ipp
+    except ImportError:
+        return None
+    threads = threads_per_rank(os.cpu_count(), n) or 1
+    t0 = time.perf_counter()
+    cluster = ipp.Cluster(n=n, log_level=40)
+    rc = cluster.start_and_connect_sync()
+    try:
+        rc.wait_for_engines(n, timeout=300)
+        view = rc[:]
+        view.execute("import torch", block=True)
+        start = time.perf_counter() - t0
+        port = free_port()
+        view.scatter("rank", list(range(n)), flatten=True, block=True)
+        view.execute(
+            f"import torch.distributed as dist; torch.set_num_threads({threads})\n"
+            f"dist.init_process_group('gloo', init_method='tcp://127.0.0.1:{port}', "
+            f"rank=rank, world_size={n})\n"
+            f"t = torch.randn({NUMEL}); big = torch.randn({pull_mb} * 2**18)",
+            block=True,
+        )
+
+        def median(code: str, k: int) -> float:
+            view.execute(code, block=True)
+            times = []
+            for _ in range(k):
+                t1 = time.perf_counter()
+                view.execute(code, block=True)
+                times.append(time.perf_counter() - t1)
+            return statistics.median(times)
+
+        noop = median("pass", reps)
+        allreduce = median("dist.all_reduce(t)", reps)
+        view.pull("big", block=True)
+        pulls = []
+        for _ in range(max(3, reps // 6)):
+            t1 = time.perf_counter()
+            view.pull("big", block=True)
+            pulls.append(time.perf_counter() - t1)
+        view.execute("dist.destroy_process_group()", block=True)
+        return {
+            "version": ipp.__version__,
+            "start_s": start,
+            "noop_s": noop,
+            "allreduce_s": allreduce,
+            "pull_s": statistics.median(pulls),
+        }
+    finally:
+        rc.close()
+        cluster.stop_cluster_sync()

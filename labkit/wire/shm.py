@@ -1,0 +1,128 @@
+"""Large tensors through shared memory instead of the sockets (runs on both sides).
+
+A forked lab and its ranks share one machine, so a tensor of `MIN_BYTES` or more need not be
+copied through a Unix socket: the sender writes its bytes into a file in the lab's own
+directory under /dev/shm (made by `new_dir`, mode 0700, named `labkit-shm-*`), created with
+`O_EXCL` and mode 0600 under a random name, and only its path travels, inside the signed
+message (`labkit.wire.codec`). The receiver checks the path, opens the file, unlinks it at once
+and maps it copy-on-write: the tensor it gets is backed by that mapping (no copy in the
+receiver), and the memory goes back to the system when the tensor is freed. A request the
+kernel sends to several ranks writes each tensor once: every rank maps the same file (its
+writes stay its own), and the kernel unlinks it once every rank has replied (`release`).
+
+Nothing is left in /dev/shm: a file whose message was never received (its sender or receiver
+died, or the message was dropped) lies in the lab's directory, which the kernel empties at each
+restart and removes at stop, and which the fork server removes when the kernel dies
+(`labkit.rank.fork_server`). Ranks attached over TCP (torchrun, other machines) never use it.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import shutil
+import tempfile
+import warnings
+from typing import Any
+
+ROOT = "/dev/shm"
+PREFIX = "labkit-shm-"
+MIN_BYTES = 1 << 20  # smaller tensors go through the socket: a file costs more than it saves
+
+
+def new_dir() -> str | None:
+    """A private (0700) directory for one lab's segments, or None where /dev/shm is missing."""
+    if not os.path.isdir(ROOT) or not os.access(ROOT, os.W_OK):
+        return None
+    return tempfile.mkdtemp(prefix=PREFIX, dir=ROOT)
+
+
+def is_lab_dir(path: str) -> bool:
+    """Whether `path` is a segment directory labkit made (what the cleanups may remove)."""
+    return os.path.dirname(path) == ROOT and os.path.basename(path).startswith(PREFIX)
+
+
+def sweep(directory: str | None) -> None:
+    """Unlink every segment left in `directory` (messages that were never received)."""
+    if directory is None or not is_lab_dir(directory):
+        return
+    try:
+        names = os.listdir(directory)
+    except OSError:
+        return
+    for name in names:
+        try:
+            os.unlink(os.path.join(directory, name))
+        except OSError:
+            pass
+
+
+def remove(directory: str | None) -> None:
+    """Remove a lab's segment directory and whatever is in it."""
+    if directory is not None and is_lab_dir(directory):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def release(paths: list[str]) -> None:
+    """Unlink segments that every receiver has mapped (a message sent to several ranks)."""
+    for path in paths:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
+def write(directory: str, raw: memoryview) -> str:
+    """Write `raw` (bytes of a contiguous tensor) into a new 0600 segment; returns its path."""
+    path = os.path.join(directory, secrets.token_hex(16))
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        done, total = 0, raw.nbytes
+        while done < total:
+            done += os.write(fd, raw[done : done + (1 << 30)])
+    except BaseException:
+        os.close(fd)
+        os.unlink(path)
+        raise
+    os.close(fd)
+    return path
+
+
+def read(path: str, nbytes: int, unlink: bool = True) -> mmap.mmap:
+    """Open, unlink (unless the sender will: a message to several ranks) and map
+    (copy-on-write) a segment that a signed message named."""
+    directory = os.path.dirname(path)
+    if not is_lab_dir(directory) or os.path.basename(path) in ("", ".", ".."):
+        raise ValueError(f"not a labkit shared-memory segment: {path!r}")
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    try:
+        if unlink:
+            os.unlink(path)  # the mapping keeps the memory; the name goes at once
+        size = os.fstat(fd).st_size
+        if size != nbytes:
+            raise ValueError(f"segment {path} holds {size} bytes, the message said {nbytes}")
+        return mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+    finally:
+        os.close(fd)
+
+
+def rebuild_tensor(
+    path: str,
+    nbytes: int,
+    dtype: str,
+    shape: tuple[int, ...],
+    requires_grad: bool,
+    is_param: bool,
+    unlink: bool = True,
+) -> Any:
+    """The receiver's half (called while a verified message is unpickled)."""
+    import torch
+
+    buf = read(path, nbytes, unlink)
+    with warnings.catch_warnings():  # torch warns about non-writable buffers; this one is ours
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.frombuffer(buf, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
+    if is_param:
+        return torch.nn.Parameter(t, requires_grad=requires_grad)
+    return t.requires_grad_(requires_grad) if requires_grad else t

@@ -1,0 +1,201 @@
+"""Large tensors through shared memory (labkit.wire.shm): what arrives is what was sent, and
+nothing is left in /dev/shm after a stop, a rank killed mid-pull, or a kernel killed by -9."""
+
+from __future__ import annotations
+
+import glob
+import os
+import stat
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+from conftest import pid_alive
+
+import labkit
+from labkit import LabError
+from labkit.wire import shm
+from labkit.wire.codec import AuthenticationError, Codec, new_key
+
+pytestmark = pytest.mark.timeout(180)
+
+MAKE = """
+torch.manual_seed(rank)
+big = torch.randn(4, 256, 1024)
+bf = torch.randn(1024, 1024).to(torch.bfloat16)
+nc = torch.randn(1024, 2048).t()
+rg = torch.randn(512, 1024, requires_grad=True)
+param = torch.nn.Parameter(torch.randn(512, 1024))
+small = torch.arange(10.0)
+"""
+
+
+def expected(rank: int) -> dict[str, torch.Tensor]:
+    torch.manual_seed(rank)
+    big = torch.randn(4, 256, 1024)
+    bf = torch.randn(1024, 1024).to(torch.bfloat16)
+    nc = torch.randn(1024, 2048).t()
+    rg = torch.randn(512, 1024, requires_grad=True)
+    param = torch.nn.Parameter(torch.randn(512, 1024))
+    return {"big": big, "bf": bf, "nc": nc, "rg": rg, "param": param, "small": torch.arange(10.0)}
+
+
+def same(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert type(got) is type(want)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert got.requires_grad == want.requires_grad
+    assert torch.equal(got.detach(), want.detach())
+
+
+def test_codec_sends_only_the_segment_path_and_the_receiver_unlinks_it():
+    directory = shm.new_dir()
+    try:
+        assert stat.S_IMODE(os.stat(directory).st_mode) == 0o700
+        codec = Codec(new_key(), directory)
+        t = torch.randn(1024, 1024).to(torch.bfloat16).t()  # non-contiguous bf16, 2 MiB
+        frames = codec.encode({"type": "done", "value": t})
+        assert len(frames) == 2, "the tensor's bytes went as a frame, not through /dev/shm"
+        (name,) = os.listdir(directory)
+        assert stat.S_IMODE(os.stat(os.path.join(directory, name)).st_mode) == 0o600
+        got = codec.decode(frames)["value"]
+        assert os.listdir(directory) == []
+        same(got, t.contiguous())
+        got.add_(1)  # the receiver's tensor is its own (copy-on-write mapping)
+        # a message to several receivers, and a small tensor, go through the socket
+        assert len(codec.encode({"v": t}, shared=False)) == 3
+        assert len(codec.encode({"v": torch.zeros(16)})) == 3
+        assert os.listdir(directory) == []
+        # a message to several receivers: they map without unlinking, the sender releases
+        kept: list[str] = []
+        frames = codec.encode({"v": t}, kept=kept)
+        first, second = codec.decode(frames)["v"], codec.decode(frames)["v"]
+        assert os.listdir(directory) == [os.path.basename(kept[0])]
+        shm.release(kept)
+        assert os.listdir(directory) == []
+        first.mul_(2)
+        same(second, t.contiguous())
+        # a segment that cannot be written (/dev/shm full, say): the bytes go as a frame
+        broken = Codec(codec.key, os.path.join(directory, "missing"))
+        frames = broken.encode({"v": t})
+        assert len(frames) == 3
+        same(codec.decode(frames)["v"], t.contiguous())
+        # a forged message naming a segment is rejected before anything is unpickled
+        forged = Codec(new_key(), directory).encode({"v": torch.zeros(1 << 18)})
+        with pytest.raises(AuthenticationError):
+            codec.decode(forged)
+        assert len(os.listdir(directory)) == 1  # left for the lab's sweep
+        shm.sweep(directory)
+        assert os.listdir(directory) == []
+    finally:
+        shm.remove(directory)
+    assert not os.path.exists(directory)
+
+
+def test_a_segment_outside_a_lab_directory_is_refused(tmp_path):
+    outside = tmp_path / "x"
+    outside.write_bytes(b"\0" * 64)
+    with pytest.raises(ValueError, match="not a labkit shared-memory segment"):
+        shm.read(str(outside), 64)
+    assert outside.exists()
+
+
+def test_pull_and_push_keep_dtype_values_and_flags_and_leave_nothing():
+    lab = labkit.Lab(2, device="cpu")
+    directory = lab.channel.shm_dir
+    try:
+        assert directory is not None and os.path.isdir(directory)
+        lab.run(MAKE)
+        for name in ("big", "bf", "nc", "rg", "param", "small"):
+            got = lab.pull(name)
+            for r in (0, 1):
+                same(got[r], expected(r)[name].contiguous())
+        assert os.listdir(directory) == []
+        want = expected(5)
+        lab.push(a=want["bf"].t().requires_grad_(), b=want["param"], c=want["big"])
+        seeded = MAKE.replace("manual_seed(rank)", "manual_seed(5)")
+        reference = f"ref = {{'torch': torch}}\nexec({seeded!r}, ref)\n"
+        checks = lab.run(
+            reference + "\n(a.dtype, a.requires_grad, torch.equal(a.detach(), ref['bf'].t()),"
+            " type(b).__name__, b.requires_grad, torch.equal(b.detach(), ref['param'].detach()),"
+            " torch.equal(c, ref['big']))"
+        ).values_by_rank
+        for r in (0, 1):
+            assert checks[r] == (torch.bfloat16, True, True, "Parameter", True, True, True)
+        # one file for both ranks, unlinked once both replied; a rank's writes stay its own
+        lab.run("a.data.mul_(rank + 2)")
+        assert lab.pull("float(a.float().sum() / (rank + 2))")[1] == pytest.approx(
+            want["bf"].float().sum().item(), rel=1e-2
+        )
+        assert os.listdir(directory) == []
+    finally:
+        lab.stop()
+    assert not os.path.exists(directory)
+
+
+KILL_MID_PULL = """
+import os, signal
+
+class DieAfterTheTensor:
+    # pickled after the big tensor: the rank dies once that tensor's segment is written
+    def __reduce__(self):
+        if os.listdir(shm_dir):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return (int, ())
+
+value = [torch.randn(1024, 1024), DieAfterTheTensor()]
+"""
+
+
+def test_a_rank_killed_mid_pull_leaves_no_segment():
+    lab = labkit.Lab(2, device="cpu")
+    directory = lab.channel.shm_dir
+    try:
+        lab.push(shm_dir=directory)
+        lab.run(KILL_MID_PULL)
+        with pytest.raises(LabError, match="rank 1 died"):
+            lab.pull("value", ranks=[1])
+        assert os.listdir(directory) == []  # the restart swept what the dead rank wrote
+        assert lab.pull("torch.ones(1024, 1024)")[0].sum().item() == 1024 * 1024
+    finally:
+        lab.stop()
+    assert not os.path.exists(directory)
+
+
+def test_a_kernel_killed_with_segments_in_flight_leaves_nothing():
+    code = textwrap.dedent("""
+        import labkit
+        from labkit.wire import shm
+        lab = labkit.Lab(2, device="cpu")
+        lab.push(shm_dir=lab.channel.shm_dir)
+        lab.run("from labkit.wire import shm; shm.write(shm_dir, memoryview(bytes(1 << 20)))")
+        print("READY", lab.channel.shm_dir, lab.server.proc.pid, *lab.pids.values(), flush=True)
+        lab.run("import time; time.sleep(60)")
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    line = ""
+    while not line.startswith("READY"):
+        line = proc.stdout.readline()
+        assert line, "the kernel ended early"
+    directory, *pids = line.split()[1:]
+    pids = [int(p) for p in pids]
+    assert len(os.listdir(directory)) == 2  # one segment per rank, never received
+    proc.kill()
+    proc.wait()
+    proc.stdout.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline and (
+        os.path.exists(directory) or any(pid_alive(p) for p in pids)
+    ):
+        time.sleep(0.05)
+    assert not os.path.exists(directory), "the lab's /dev/shm directory outlived its kernel"
+    assert not any(pid_alive(p) for p in pids), "the fork server or a rank outlived its kernel"
+
+
+def test_a_lab_refused_at_construction_leaves_no_directory():
+    before = set(glob.glob(os.path.join(shm.ROOT, shm.PREFIX + "*")))
+    with pytest.raises(ValueError, match="threads"):
+        labkit.Lab(2, threads=0, start=False)
+    assert set(glob.glob(os.path.join(shm.ROOT, shm.PREFIX + "*"))) <= before
