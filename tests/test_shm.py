@@ -71,7 +71,8 @@ def test_codec_sends_only_the_segment_path_and_the_receiver_unlinks_it():
         # a message to several receivers: they map without unlinking, the sender releases
         kept: list[str] = []
         frames = codec.encode({"v": t}, kept=kept)
-        first, second = codec.decode(frames)["v"], codec.decode(frames)["v"]
+        receivers = [Codec(codec.key, directory) for _ in range(2)]  # each rank has its own
+        first, second = (rx.decode(frames)["v"] for rx in receivers)
         assert os.listdir(directory) == [os.path.basename(kept[0])]
         shm.release(kept)
         assert os.listdir(directory) == []
