@@ -110,7 +110,7 @@ class ForkedRanks(RankLauncher):
         return dict.fromkeys(self.pids, 0.0)
 
     def interrupt(self, ranks: list[int], cell: int) -> None:
-        """Stop as a message naming the cell, latched by the rank (labkit.rank.worker).
+        """Stop as a message naming the cell, latched by the rank (labkit.rank.side).
 
         Not SIGINT: a signal names no cell, so one that arrives late (the fork server relays it)
         would stop the next cell instead.

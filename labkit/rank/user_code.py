@@ -23,7 +23,14 @@ from labkit.wire.messages import DisplayInfo, RankErrorInfo, TensorInfo
 # frames of labkit's own that a user's traceback leaves out
 _OWN_FILES = tuple(
     os.path.join("labkit", "rank", f)
-    for f in ("worker.py", "user_code.py", "script.py", "process_group.py", "profiling.py")
+    for f in (
+        "worker.py",
+        "side.py",
+        "user_code.py",
+        "script.py",
+        "process_group.py",
+        "profiling.py",
+    )
 )
 
 

@@ -1,0 +1,146 @@
+"""The rank's side channel: heartbeat, Stop, stacks and leaving (runs on the rank).
+
+`SideChannel` is the part of `labkit.rank.worker.Rank` that works beside the main thread:
+
+- `side` (any thread, behind `side_lock`): output lines (`stream`) and the heartbeat (`status`:
+  busy or idle, the cell line running, the comm op the rank is inside, the last request taken).
+  The heartbeat thread reads the kernel's `side` messages every `SIDE_POLL_S`: Stop
+  (`interrupt`), `leave`, `ask_stacks` (answered with `stacks`, labkit.rank.stacks, even while
+  busy).
+- Stop is latched, never lost: the kernel sends `interrupt` for a cell and re-sends it while it
+  waits; the heartbeat thread reads it within `SIDE_POLL_S` while a cell runs. The rank
+  remembers the cell; if its user code runs, it raises KeyboardInterrupt there (again every
+  `RESTOP_S` while it keeps running); if the cell has not started yet, it is not run at all.
+- A rank attached over TCP leaves when the kernel's link drops; a forked one when its parent
+  dies.
+
+This module never imports IPython, ipywidgets or plotly.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any
+
+import zmq
+
+from labkit.rank import stacks, trace
+from labkit.wire.messages import Stacks, Status, Stream
+
+HEARTBEAT_IDLE = 1.0
+HEARTBEAT_BUSY = 0.25
+SIDE_POLL_S = 0.05  # how often the heartbeat thread reads Stop and requests for stacks
+RESTOP_S = 1.0  # a stopped cell whose code goes on running is interrupted again after this
+
+
+class SideChannel:
+    """The heartbeat thread's half of a rank (mixed into `labkit.rank.worker.Rank`)."""
+
+    rank: int
+    gen: int
+    codec: Any
+    ctrl: zmq.Socket
+    side: zmq.Socket
+    side_lock: threading.Lock
+    stream_seq: int
+    busy_cell: int | None
+    in_user_code: bool
+    taken: int
+    stop_cell: int | None
+    stopped_at: float
+    stacks_out: list[Stacks]
+    capture: Any
+
+    def _leave_when_kernel_goes(self) -> None:
+        """An attached rank has no parent in the lab: leave when the kernel's link drops."""
+        monitor = self.ctrl.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+
+        def watch() -> None:
+            from zmq.utils.monitor import recv_monitor_message
+
+            recv_monitor_message(monitor)  # the link dropped (or its heartbeats timed out)
+            print(f"labkit rank {self.rank}: the lab's kernel is gone; leaving", file=sys.stderr)
+            time.sleep(0.2)  # let the capture thread log that line
+            os._exit(1)
+
+        threading.Thread(target=watch, name="labkit-kernel-link", daemon=True).start()
+
+    def _take_side(self) -> None:
+        """Read what the kernel sent on `side` (call with `side_lock` held): Stop, leave, and
+        requests for stacks (taken before a Stop read in the same turn interrupts the cell)."""
+        while self.side.poll(0):
+            try:
+                msg = self.codec.decode(self.side.recv_multipart(copy=False))
+            except Exception as exc:  # noqa: BLE001 - forged: log it, never unpickle
+                print(f"labkit rank {self.rank}: rejected a message: {exc}", file=sys.stderr)
+                continue
+            if msg.get("type") == "interrupt" and msg["cell"] >= self.taken:
+                self.stop_cell = max(msg["cell"], self.stop_cell or 0)
+            elif msg.get("type") == "ask_stacks":
+                text, where = stacks.snapshot(self.busy_cell)
+                self.stacks_out.append(
+                    Stacks(type="stacks", id=msg["id"], busy=self.busy_cell, text=text, where=where)
+                )
+            elif msg.get("type") == "leave":
+                print(f"labkit rank {self.rank}: leaving: {msg['why']}", file=sys.stderr)
+                self.capture.flush(timeout=1.0)
+                os._exit(1)
+        self._stop_if_latched()
+
+    def _stop_if_latched(self) -> None:
+        """Raise KeyboardInterrupt in the user code of a cell whose Stop is latched."""
+        if (
+            self.stop_cell is not None
+            and self.busy_cell == self.stop_cell
+            and self.in_user_code
+            and time.monotonic() - self.stopped_at >= RESTOP_S
+        ):
+            self.stopped_at = time.monotonic()
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+
+    def send_side(self, msg: Stream | Status | Stacks) -> None:
+        msg.update(rank=self.rank, gen=self.gen)
+        with self.side_lock:
+            if msg["type"] == "stream":
+                self.stream_seq += 1
+                msg["seq"] = self.stream_seq
+            self.side.send_multipart(self.codec.encode(msg, shared=False), copy=False)
+
+    def _on_sigint(self, signum: int, frame: Any) -> None:
+        if self.in_user_code:
+            self.stopped_at = time.monotonic()
+            raise KeyboardInterrupt
+
+    def _heartbeat(self) -> None:
+        parent = os.getppid()
+        while True:  # the first heartbeat goes at once: the kernel learns the side route
+            if os.getppid() != parent:  # our parent died: the lab is gone
+                os._exit(1)
+            self._read_side()
+            status = Status(type="status", busy=self.busy_cell, time=time.time(), taken=self.taken)
+            if self.busy_cell is not None:
+                status.update(
+                    line=stacks.running_line(), op=trace.current(), progress=trace.progress()
+                )
+            try:
+                self.send_side(status)
+            except zmq.ZMQError:
+                return
+            busy = self.busy_cell is not None
+            until = time.monotonic() + (HEARTBEAT_BUSY if busy else HEARTBEAT_IDLE)
+            while time.monotonic() < until:
+                time.sleep(SIDE_POLL_S)
+                if self.busy_cell is not None and not busy:
+                    break  # a cell began: say so now
+                self._read_side()
+
+    def _read_side(self) -> None:
+        """Take what the kernel sent on `side`, then send the stacks it asked for."""
+        with self.side_lock:
+            self._take_side()
+        while self.stacks_out:
+            self.send_side(self.stacks_out.pop(0))
