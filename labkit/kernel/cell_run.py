@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from labkit.kernel.channel import Channel, Stuck
+from labkit.kernel.debug import DebugFrontend
 from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.live import LiveStatus
 from labkit.kernel.results import CellState, LabkitWarning, RankResult, Results
@@ -130,6 +131,7 @@ class CellRun:
                     deadline=deadline,
                     replies=self.replies,
                     watch=self._tick,
+                    on_other=DebugFrontend(self.channel, post_mortem=msg["type"] == "debug"),
                 )
             except KeyboardInterrupt:
                 self._stop()
@@ -285,7 +287,8 @@ class CellRun:
                 st = status.get(r, {})
                 op = st.get("op") if st.get("busy") == self.cell else None
                 blocked = st["time"] - op["since"] if op else 0.0
-                states.append(CellState(r, "running", st.get("line"), op, blocked))
+                debugging = st.get("busy") == self.cell and st.get("debugging", False)
+                states.append(CellState(r, "running", st.get("line"), op, blocked, debugging))
             elif r in self.replies:
                 err = self.replies[r].get("error")
                 states.append(CellState(r, f"raised {err['type']}" if err else "finished"))

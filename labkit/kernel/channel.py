@@ -244,7 +244,7 @@ class Channel(Admission):
         return ask
 
     def send_interrupt(self, ranks: Iterable[int], cell: int) -> None:
-        """Stop for `cell`: the rank latches it (see labkit.rank.worker)."""
+        """Stop for `cell`: the rank latches it (see labkit.rank.side)."""
         self.send_side(ranks, Interrupt(type="interrupt", cell=cell))
 
     # -- the one waiting loop ---------------------------------------------------------------
@@ -257,11 +257,13 @@ class Channel(Admission):
         deadline: float | None = None,
         replies: dict[int, dict[str, Any]] | None = None,
         watch: Callable[[set[int]], None] | None = None,
+        on_other: Callable[[dict[str, Any]], None] | None = None,
     ) -> dict[int, dict[str, Any]]:
         """Wait for `expect` replies (with `msg_id`) from every rank in `pending`.
 
         Raises `Stuck` past `deadline` or when a rank dies, and `LabError` for a rank that could
-        not start (`fatal`); `watch(pending)` runs between polls.
+        not start (`fatal`); `watch(pending)` runs between polls; `on_other(msg)` gets the
+        other messages (a debugger's prompt: labkit.kernel.debug).
         """
         replies = {} if replies is None else replies
         pending = set(pending) - set(replies)
@@ -276,6 +278,8 @@ class Channel(Admission):
                         msg["received"] = time.monotonic()  # when the watchdog knows it ended
                         replies[msg["rank"]] = msg
                         pending.discard(msg["rank"])
+                    elif on_other is not None:
+                        on_other(msg)
             if self.wake_r in ready:
                 try:
                     os.read(self.wake_r, 65536)

@@ -1,6 +1,6 @@
 """`Lab`: persistent rank processes driven from a notebook kernel (kernel side).
 
-The lab is the public API (start, run, pull, push, trace, stacks, restart, stop) over:
+The lab is the public API (start, run, pull, push, trace, stacks, debug, restart, stop) over:
 
 - a `Channel` (labkit.kernel.channel): the sockets, the I/O thread and the one waiting loop;
 - a launcher (labkit.kernel.launcher): `ForkedRanks` forks the ranks here, `TorchrunRanks`
@@ -27,6 +27,7 @@ from labkit.kernel import script_run
 from labkit.kernel.attached import TorchrunRanks
 from labkit.kernel.cell_run import CellOutcome, CellRun, exec_message, recovery_note, results
 from labkit.kernel.channel import Channel, Stuck
+from labkit.kernel.debug import post_mortem
 from labkit.kernel.forked import ForkedRanks
 from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.live import ranks_info, status_report
@@ -375,6 +376,8 @@ class Lab:
                     rec.end -= self.offsets.get(r, 0.0)
                 records.append(rec)
         return sorted(records, key=lambda rec: (rec.start, rec.rank))
+
+    debug = post_mortem  # lab.debug(rank): pdb on the rank's last exception (kernel.debug)
 
     # -- what the notebook shows about the ranks --------------------------------------------
     def stacks(self, ranks: Any = None, timeout: float = STACKS_TIMEOUT) -> RankStacks:

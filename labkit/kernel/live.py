@@ -31,6 +31,8 @@ def describe_state(s: CellState) -> str:
     if s.state != "running":
         return s.state
     line = f"line {s.line}" if s.line else ""
+    if s.debugging:
+        return "at a breakpoint (pdb waits for you)" + (f", {line}" if line else "")
     if not s.op:
         return "running" + (f" {line}" if line else "")
     text = f"inside {op_text(s.op)} for {s.blocked_s:.1f} s"
@@ -148,7 +150,8 @@ def status_report(lab: Any, heartbeats: dict[int, dict[str, Any]]) -> dict[str, 
         st = heartbeats.get(r, {})
         age = now - st["received"] if "received" in st else None
         alive = r not in lab.dead and (age is None or age < 5)
-        rows.append(dict(info, alive=alive, busy=st.get("busy") is not None, heartbeat_age_s=age))
+        busy, debugging = st.get("busy") is not None, bool(st.get("debugging"))  # in pdb
+        rows.append(dict(info, alive=alive, busy=busy, debugging=debugging, heartbeat_age_s=age))
     return {
         "running": lab.running,
         "world_size": lab.world_size,

@@ -5,6 +5,7 @@
     [--allow NET ...] [--wait S]                                   ranks started by torchrun
 %lab status | %lab restart [N] | %lab stop | %lab logs RANK [--lines N]
 %lab stacks [RANKS] [--timeout S]   every rank's Python stacks now, idle or busy
+%lab debug RANK   pdb on the last exception a cell raised on RANK (breakpoint() in a cell, too)
 %lab run SCRIPT [ARGS...] [--timeout S before SCRIPT]   a torchrun script, unchanged, on every rank
 %%ranks [RANKS] [--timeout S] [--profile]   run the cell on every rank, or on RANKS (0,2 or 1-3)
 
@@ -32,7 +33,7 @@ from labkit.kernel.profiling import profile
 from labkit.kernel.results import RankValues
 from labkit.wire.logfile import log_path
 
-COMMANDS = ("start", "attach", "status", "restart", "stop", "logs", "stacks", "run")
+COMMANDS = ("start", "attach", "status", "restart", "stop", "logs", "stacks", "debug", "run")
 
 
 def _count(text: str) -> int:
@@ -216,6 +217,17 @@ class LabMagics(Magics):
             raise UsageError(f"%lab stacks: {exc}\n{_usage(self._lab_stacks)}") from None
         print(lab.stacks(args.ranks, timeout=args.timeout))
 
+    @magic_arguments("lab debug")
+    @argument("rank", type=int, metavar="RANK", help="the rank whose last exception to debug")
+    def _lab_debug(self, args: argparse.Namespace) -> None:
+        """Open pdb on the last exception a cell raised on RANK: type commands in the input
+        box (p NAME, up, down, l); q or c returns the rank to serving cells. `breakpoint()` in
+        a %%ranks cell opens the same kind of session on that rank; c continues the cell."""
+        try:
+            lab_module.current().debug(args.rank)
+        except ValueError as exc:
+            raise UsageError(f"%lab debug: {exc}\n{_usage(self._lab_debug)}") from None
+
     @magic_arguments("lab run")
     @kwds(usage="%(prog)s [--timeout S] SCRIPT [ARGS ...]")  # argparse would call ARGS required
     @argument(
@@ -286,16 +298,24 @@ def read_log(log_dir: str, rank: int, world_size: int, lines: int) -> str:
     return f"{text}\n--- {path}\n"
 
 
+def _state(row: dict[str, Any]) -> str:
+    if not row["alive"]:
+        return "DEAD"
+    if row.get("debugging"):
+        return "in pdb, waiting for you"
+    return "busy" if row["busy"] else "alive"
+
+
 def show_status(report: dict[str, Any]) -> None:
     rows = "".join(
         f"<tr><td>{r['rank']}</td><td>{r['pid']}</td><td>{r['device']}</td>"
         f"<td>{r.get('threads') or '-'}</td>"
-        f"<td>{'busy' if r['busy'] else ('alive' if r['alive'] else 'DEAD')}</td></tr>"
+        f"<td>{_state(r)}</td></tr>"
         for r in report["ranks"]
     )
     text = "\n".join(
         f"rank {r['rank']}: pid {r['pid']} {r['device']} {r.get('threads') or '-'} threads "
-        f"{'alive' if r['alive'] else 'DEAD'}"
+        f"{_state(r)}"
         for r in report["ranks"]
     )
     head = f"{report['choice']} · logs in {report['log_dir']}"

@@ -210,3 +210,4 @@ class CellState:
     line: int | None = None
     op: dict[str, Any] | None = None
     blocked_s: float = 0.0
+    debugging: bool = False  # at a breakpoint: waiting for the user, not stuck

@@ -54,6 +54,7 @@ class SideChannel:
     stopped_at: float
     stacks_out: list[Stacks]
     capture: Any
+    debugging = False  # in a pdb session, waiting for the user (labkit.rank.debugger)
 
     def _leave_when_kernel_goes(self) -> None:
         """An attached rank has no parent in the lab: leave when the kernel's link drops."""
@@ -122,6 +123,8 @@ class SideChannel:
                 os._exit(1)
             self._read_side()
             status = Status(type="status", busy=self.busy_cell, time=time.time(), taken=self.taken)
+            if self.debugging:
+                status["debugging"] = True
             if self.busy_cell is not None:
                 status.update(
                     line=stacks.running_line(), op=trace.current(), progress=trace.progress()

@@ -2,8 +2,8 @@
 
 A cell runs in the rank's persistent namespace and returns its last expression, as a notebook
 cell does; its source goes into `linecache` so tracebacks show the lines. An error is reported
-as `RankErrorInfo` without labkit's own frames. `input()` and `breakpoint()` raise a clear
-error: a rank has no keyboard or terminal.
+as `RankErrorInfo` without labkit's own frames. `input()` raises a clear error: a rank has no
+keyboard (`breakpoint()` opens pdb in the notebook instead: labkit.rank.debugger).
 
 This module never imports IPython, ipywidgets or plotly.
 """
@@ -26,6 +26,7 @@ _OWN_FILES = tuple(
     for f in (
         "worker.py",
         "side.py",
+        "debugger.py",
         "user_code.py",
         "script.py",
         "process_group.py",
@@ -93,14 +94,6 @@ def no_input(prompt: Any = "") -> str:
     raise EOFError(
         f"input() cannot read on rank {rank}: ranks have no keyboard (stdin is /dev/null). "
         "Set the value in the cell, or send it with lab.push(name=value)"
-    )
-
-
-def no_breakpoint(*args: Any, **kwargs: Any) -> None:
-    rank = os.environ.get("RANK", "?")
-    raise RuntimeError(
-        f"breakpoint() cannot stop on rank {rank}: ranks have no terminal to debug in. "
-        "Print the values you need, or lab.pull() them into the notebook"
     )
 
 

@@ -35,14 +35,13 @@ from typing import Any
 
 import zmq
 
-from labkit.rank import process_group, trace
+from labkit.rank import debugger, process_group, trace
 from labkit.rank.capture import Capture
 from labkit.rank.side import SideChannel
 from labkit.rank.user_code import (
     call_function,
     describe,
     format_error,
-    no_breakpoint,
     no_input,
     run_code,
 )
@@ -50,6 +49,7 @@ from labkit.wire.codec import Codec, dumps
 from labkit.wire.config import RankConfig
 from labkit.wire.logfile import log_path
 from labkit.wire.messages import (
+    Debug,
     Done,
     Exec,
     Fatal,
@@ -66,7 +66,7 @@ from labkit.wire.messages import (
     Trace,
 )
 
-REQUESTS = ("exec", "pull", "push", "trace")  # requests with a cell id, taken at most once
+REQUESTS = ("exec", "pull", "push", "trace", "debug")  # requests with a cell id, taken at most once
 MAX_VALUE_BYTES = 1 << 30
 
 
@@ -120,7 +120,7 @@ class Rank(SideChannel):
             self._leave_when_kernel_goes()
         faulthandler.enable(all_threads=False)  # a segfault's traceback goes to output and log
         builtins.input = no_input
-        sys.breakpointhook = no_breakpoint
+        sys.breakpointhook = debugger.breakpoint_hook(self)
         signal.signal(signal.SIGINT, self._on_sigint)
         threading.Thread(target=self._heartbeat, name="labkit-heartbeat", daemon=True).start()
         import torch
@@ -183,6 +183,8 @@ class Rank(SideChannel):
             "push": self.push,
             "trace": self.send_trace,
             "ping": self.pong,
+            "debug": self.debug,
+            "debug_input": lambda msg: None,  # for a session that ended already
         }
         while True:
             try:
@@ -223,6 +225,7 @@ class Rank(SideChannel):
                 value = run_code(msg["code"], f"<cell-{cell}>", self.ns)
         except BaseException as exc:  # noqa: BLE001 - a user's error of any kind is reported
             error = format_error(exc)
+            debugger.keep(exc)
         finally:
             self.in_user_code = False
         duration = time.perf_counter() - t0
@@ -280,6 +283,15 @@ class Rank(SideChannel):
 
     def pong(self, msg: Ping) -> None:
         self.reply(Pong(type="pong", id=msg["id"], time=time.time()))
+
+    def debug(self, msg: Debug) -> None:
+        found, stopped = debugger.post_mortem(self, msg["id"])
+        why = KeyboardInterrupt(f"Stop was pressed while rank {self.rank} was in the debugger")
+        self.reply(
+            Done(
+                type="done", id=msg["id"], error=format_error(why) if stopped else None, value=found
+            )
+        )
 
 
 def run(cfg: RankConfig) -> None:

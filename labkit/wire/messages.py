@@ -28,6 +28,9 @@ between the kernel and its fork server, as one JSON object per line over the ser
 | side        | kernel -> rank | `Interrupt`     | Stop pressed, for a rank labkit cannot signal   |
 | side        | kernel -> rank | `AskStacks`     | send every thread's Python stack now            |
 | side        | rank -> kernel | `Stacks`        | ... the stacks, as text (the heartbeat thread)  |
+| ctrl        | kernel -> rank | `Debug`         | open pdb on the rank's last exception           |
+| ctrl        | rank -> kernel | `DebugPrompt`   | pdb's output and prompt: the rank waits ...     |
+| ctrl        | kernel -> rank | `DebugInput`    | ... for the line the user typed (None: end)     |
 | server pipe | kernel -> srv  | `SpawnCommand`  | fork one rank with this `RankConfig`            |
 | server pipe | kernel -> srv  | `SignalCommand` | signal ranks the server forked                  |
 | server pipe | kernel -> srv  | `ExitCommand`   | kill the ranks and leave                        |
@@ -260,6 +263,7 @@ class Status(_Status, total=False):
     op: dict[str, Any] | None  # the comm op the rank is inside: op, seq, group, peer, since, ...
     progress: dict[str, Any]  # collectives per group (seq), p2p messages per peer (sent/received)
     taken: int  # the id of the last request (exec, pull, push, trace) the rank took
+    debugging: bool  # in a pdb session, waiting for the user (labkit.rank.debugger)
     received: float  # set by the kernel on arrival (its monotonic clock); never sent
 
 
@@ -269,6 +273,36 @@ class Stacks(FromRank):
     busy: int | None  # the cell running, or None when idle
     text: str  # every thread's stack, main thread first, innermost frame first (rank.stacks)
     where: str | None  # the main thread's cell line ("line 3: time.sleep(60)"), if any
+
+
+# -- the debugger: kernel <-> rank, ctrl socket (labkit.rank.debugger, labkit.kernel.debug) ------
+
+
+class Debug(TypedDict):
+    """kernel -> rank: open a post-mortem pdb session on the last exception a cell raised there
+    (answered with `Done`: `value` True if there was one; `error` KeyboardInterrupt at Stop)."""
+
+    type: Literal["debug"]
+    id: int
+
+
+class DebugPrompt(FromRank):
+    """rank -> kernel: pdb's output so far and its prompt; the rank waits for a `DebugInput`.
+    Sent in a `debug` request's session, or in a cell's at `breakpoint()` (`id`: the cell)."""
+
+    type: Literal["debug_prompt"]
+    id: int  # the request the session belongs to
+    output: str
+    prompt: str
+
+
+class DebugInput(TypedDict):
+    """kernel -> rank: the line the user typed; None ends the session (no input box to ask in).
+    A breakpoint's session then continues the cell; a post-mortem's returns the rank."""
+
+    type: Literal["debug_input"]
+    id: int
+    line: str | None
 
 
 # -- the fork server's pipes: JSON lines --------------------------------------------------------
@@ -321,7 +355,8 @@ class Exited(TypedDict):
 # -- by channel and direction -------------------------------------------------------------------
 
 _KernelToRankCtrl = Init | Exec | Pull | Push | Trace | Ping | Exit | Welcome | Refused
-KernelToRank = _KernelToRankCtrl | Interrupt | AskStacks | Leave
-RankToKernel = Attach | Hello | Ready | Done | Pong | Fatal | Stream | Status | Stacks
+_Debugger = Debug | DebugInput
+KernelToRank = _KernelToRankCtrl | Interrupt | AskStacks | Leave | _Debugger
+RankToKernel = Attach | Hello | Ready | Done | Pong | Fatal | Stream | Status | Stacks | DebugPrompt
 KernelToServer = SpawnCommand | SignalCommand | ExitCommand
 ServerToKernel = ServerHello | Spawned | Exited
