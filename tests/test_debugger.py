@@ -127,6 +127,10 @@ def test_post_mortem_shows_the_ranks_frames_and_returns_the_rank(kernel):
     assert "-> f(w)" in text and "\n8\n" in text and "\n1\n" in text, text  # up: the cell
     assert "labkit" not in text.replace("labkit.", ""), text  # no frames of labkit's own
     values(kernel)
+    out = kernel.run("lab.debug(1)", answers=["p w", STOP])  # Stop ends the session
+    assert out["error"]["ename"] == "RemoteError", out
+    assert "Stop was pressed while rank 1 was in the debugger" in out["error"]["evalue"], out
+    values(kernel)
     assert pids(kernel) == before  # the same ranks: nothing was restarted
 
 
@@ -147,6 +151,11 @@ def test_breakpoint_on_one_rank_then_continue(kernel):
     assert "[21.0, 21.0]" in html and "rank 0" in html and "rank 1" in html, html
     assert "rank 1 at a breakpoint (pdb waits for you)" in html, html  # the live status
     assert "stuck" not in text + out["stderr"] + html
+    out = kernel.run("%%ranks\nif rank == 1:\n    breakpoint()\nrank", answers=["q"])
+    assert out["error"]["ename"] == "RemoteError", out
+    assert "BdbQuit" in out["error"]["evalue"] and "q in pdb ended the cell on rank 1" in "\n".join(
+        out["error"]["traceback"]
+    )
     assert pids(kernel) == before
     values(kernel)
 

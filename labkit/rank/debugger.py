@@ -4,22 +4,23 @@ A rank has no terminal, so its `pdb.Pdb` reads and writes through the rank's ctr
 main thread's, as every request's): whenever pdb wants a line, the rank sends what pdb wrote so
 far and its prompt (`DebugPrompt`) and waits for the line the user typed (`DebugInput`); the
 kernel (labkit.kernel.debug) shows the output and reads the line with `input()`, which a
-notebook shows as an input box. The session ends when pdb does (`c`, `q`), or when the kernel
-sends no line (`line` None: it has no input box to ask in, or Stop was pressed there).
+notebook shows as an input box. The session ends when pdb does (`c`, `q`), when the kernel
+sends no line (`line` None: it has no input box to ask in), or when Stop is latched for it.
 
 - post-mortem (`lab.debug(rank)`, a `debug` request): the last exception a cell raised on the
   rank is kept (`keep`, as `sys.last_exc` and `sys.last_traceback`); pdb opens on its frames,
   without labkit's own. `q` or `c` returns the rank to serving cells.
 - `breakpoint()` in a cell stops that rank there while the other ranks go on; the heartbeat says
   the rank is `debugging`, so the kernel's live status and watchdog know it waits for the user.
-  `c` continues the cell; Stop (latched by the heartbeat thread for the session's request)
-  ends the session and raises KeyboardInterrupt in the cell.
+  `c` continues the cell, `q` ends it (BdbQuit); Stop (latched by the heartbeat thread for the
+  session's request) ends the session and raises KeyboardInterrupt in the cell.
 
 This module never imports IPython, ipywidgets or plotly.
 """
 
 from __future__ import annotations
 
+import bdb
 import io
 import os
 import pdb
@@ -75,6 +76,8 @@ class RankPdb(pdb.Pdb):
         if self.session.stopped:
             self.set_continue()
             raise KeyboardInterrupt(f"Stop was pressed while rank {rank.rank} was in the debugger")
+        if self.quitting and frame is not None:  # q at a breakpoint: the cell ends here
+            raise bdb.BdbQuit(f"q in pdb ended the cell on rank {rank.rank}")
 
 
 class Session:
@@ -123,7 +126,7 @@ class Session:
                 msg = self.rank.codec.decode(ctrl.recv_multipart(copy=False))
             except KeyboardInterrupt:  # the heartbeat's Stop: seen on the next turn
                 continue
-            except zmq.ZMQError:
+            except zmq.ZMQError:  # the socket is gone: never spin on it
                 raise
             except Exception as exc:  # noqa: BLE001 - forged: log it, never unpickle
                 print(f"labkit rank {self.rank.rank}: rejected a message: {exc}", file=sys.stderr)
