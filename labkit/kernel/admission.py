@@ -1,6 +1,8 @@
 """Who may talk to a lab over TCP, and which `attach` is welcome (kernel side).
 
-A mixin of `Channel` (labkit.kernel.channel), for ranks started by torchrun:
+A mixin of `Channel` (labkit.kernel.channel). Every rank's replies are taken only from the
+route (ZeroMQ connection) its signed `hello` or `attach` came over (`_from_its_route`). For
+ranks started by torchrun, also:
 
 - `allow`: the networks ranks may connect from (`Lab.attach(..., allow=[...])`). A message from
   another address (ZeroMQ's `Peer-Address`) is dropped before its signature is read, counted in
@@ -61,6 +63,28 @@ class Admission:
 
     def _post(self, *event: Any) -> None:  # Channel's
         raise NotImplementedError
+
+    def _from_its_route(self, msg: dict[str, Any], ident: bytes) -> bool:
+        """Whether `msg` came over the route its rank signed in from (a hello or attach sets it).
+
+        A `fatal` may come before the hello (a rank that could not start): it is let through.
+        """
+        rank, known = msg.get("rank"), self.routes.get(msg.get("rank", -1))
+        if msg["type"] == "attach":
+            return self._admit(msg, ident, known)
+        if msg["type"] == "hello" and known is None:
+            self.routes[rank] = ident
+            return True
+        if known == ident or (known is None and msg["type"] == "fatal"):
+            return True
+        self.rejected += 1
+        warnings.warn(
+            f"labkit dropped a {msg['type']!r} that claims to be from rank {rank} but came "
+            "over another connection than the one that rank signed in from",
+            LabkitWarning,
+            stacklevel=5,
+        )
+        return False
 
     def _admit(self, msg: dict[str, Any], ident: bytes, known: bytes | None) -> bool:
         """An `attach` while the lab waits for it, from a rank not attached yet; else refused."""

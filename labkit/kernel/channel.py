@@ -319,28 +319,6 @@ class Channel(Admission):
             )
         return msg
 
-    def _from_its_route(self, msg: dict[str, Any], ident: bytes) -> bool:
-        """Whether `msg` came over the route its rank signed in from (a hello or attach sets it).
-
-        A `fatal` may come before the hello (a rank that could not start): it is let through.
-        """
-        rank, known = msg.get("rank"), self.routes.get(msg.get("rank", -1))
-        if msg["type"] == "attach":
-            return self._admit(msg, ident, known)
-        if msg["type"] == "hello" and known is None:
-            self.routes[rank] = ident
-            return True
-        if known == ident or (known is None and msg["type"] == "fatal"):
-            return True
-        self.rejected += 1
-        warnings.warn(
-            f"labkit dropped a {msg['type']!r} that claims to be from rank {rank} but came "
-            "over another connection than the one that rank signed in from",
-            LabkitWarning,
-            stacklevel=5,
-        )
-        return False
-
     def _undecodable(
         self, ident: bytes, exc: Exception, expect: str, msg_id: int | None
     ) -> Done | None:

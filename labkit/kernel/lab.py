@@ -29,6 +29,7 @@ from labkit.kernel.cell_run import CellOutcome, CellRun, exec_message, recovery_
 from labkit.kernel.channel import Channel, Stuck
 from labkit.kernel.debug import post_mortem
 from labkit.kernel.forked import ForkedRanks
+from labkit.kernel.lab_data import DataRequests
 from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.live import ranks_info, status_report
 from labkit.kernel.logs import read_tail
@@ -37,11 +38,8 @@ from labkit.kernel.rank_spec import parse_ranks
 from labkit.kernel.results import LabError, LabkitWarning, RemoteError, Results
 from labkit.kernel.stacks import STACKS_TIMEOUT, RankStacks, lab_stacks
 from labkit.wire.codec import Codec, new_key
-from labkit.wire.messages import Pull, Push, Trace
 
 __all__ = ["Lab", "LabError", "LabkitWarning", "current"]
-
-REQUEST_TIMEOUT = 60.0  # seconds for pull, push and trace
 
 _current: Lab | None = None
 _labs: weakref.WeakSet[Lab] = weakref.WeakSet()
@@ -60,7 +58,7 @@ def current() -> Lab:
     return _current
 
 
-class Lab:
+class Lab(DataRequests):
     """A set of persistent rank processes sharing one torch.distributed process group.
 
     Runs in the kernel. `Lab(4)` forks 4 ranks and returns when their process group is ready.
@@ -340,42 +338,6 @@ class Lab:
         if outcome.errors and outcome.stuck.died is None:  # else the death is the root cause
             raise RemoteError(outcome.errors, note)
         raise LabError(note)
-
-    def _request(self, msg: Any, ranks: Any = None) -> Results:
-        with self._lock:
-            self._check_usable()
-            return self._call(msg, self.ranks(ranks), REQUEST_TIMEOUT)
-
-    def pull(self, name: str, ranks: Any = None) -> dict[int, Any]:
-        """{rank: value} of a name (or attribute path) on the ranks; tensors arrive on the CPU."""
-        if not isinstance(name, str) or not name.strip():
-            raise ValueError(f"pull() takes a variable name such as 'x', got {name!r}")
-        res = self._request(Pull(type="pull", id=0, name=name), ranks)
-        res.raise_for_errors()
-        for r, one in res.items():
-            if one.value_error:
-                raise LabError(f"pull({name!r}) from rank {r}: {one.value_error}")
-        return res.values_by_rank
-
-    def push(self, ranks: Any = None, **names: Any) -> None:
-        """Bind names on the ranks: `lab.push(lr=0.1)` (tensors arrive on the ranks' CPU)."""
-        if not names:
-            raise ValueError("push() needs names to bind, e.g. lab.push(lr=0.1)")
-        self._request(Push(type="push", id=0, names=names), ranks).raise_for_errors()
-
-    def trace(self, cell: int | None = None, *, enabled: bool | None = None) -> list[Any]:
-        """Comm and span records of the last cell (or `cell`), on the kernel's clock."""
-        msg = Trace(type="trace", id=0, cell=cell)
-        if enabled is not None:
-            msg["enabled"] = enabled
-        records = []
-        for r, res in self._request(msg).items():
-            for rec in res.value or []:
-                rec.start -= self.offsets.get(r, 0.0)
-                if rec.end:
-                    rec.end -= self.offsets.get(r, 0.0)
-                records.append(rec)
-        return sorted(records, key=lambda rec: (rec.start, rec.rank))
 
     debug = post_mortem  # lab.debug(rank): pdb on the rank's last exception (kernel.debug)
 
