@@ -174,6 +174,7 @@ class SavedBytes:
     def __init__(self, model: nn.Module) -> None:
         self.model = model
         self.per_layer = [0] * len(model.layers)
+        self.storages = 0  # distinct storages counted (the allocator rounds each one up)
         self.forwards = 0
         self.forward_s = 0.0
         self.recompute_s = 0.0
@@ -190,6 +191,7 @@ class SavedBytes:
         if ptr not in self._params and ptr not in self._seen and self._layer >= 0:
             self._seen.add(ptr)
             self.per_layer[self._layer] += storage.nbytes()
+            self.storages += 1
         return t
 
     def _enter(self, i: int):
