@@ -111,7 +111,6 @@ def test_mixed_precision_adam_holds_16_bytes_a_parameter(ranks):
 
 
 def _finder_rank(rank: int, world_size: int) -> dict:
-    from labkit.parallel.tensor_parallel import ParallelMLP, ParallelSelfAttention, SelfAttention
     from labkit.parallel.zero_redundancy import (
         Zero1Optimizer,
         fully_shard_model,
@@ -138,13 +137,15 @@ def _finder_rank(rank: int, world_size: int) -> dict:
         comm = [(r.op, r.bytes) for r in trace.records(cell) if r.kind == "comm"]
         out[name] = (measure_state_bytes(model, opt), comm)
     torch.manual_seed(0)
-    attn = ParallelSelfAttention(SelfAttention(32, 4, causal=True))
-    ffn = ParallelMLP(nn.Linear(32, 128), nn.Linear(128, 32))
+    layer = Stack(1, 32, 4).split_tensor_parallel()
     h = torch.randn(2, 6, 32, requires_grad=True)
     trace.begin_cell(3, rank)
-    y = h + attn(h)
-    (y + ffn(y)).sum().backward()
+    with SavedBytes(layer) as saved:
+        y = layer(h)
+    saved.backward(y.sum())
     out["tp"] = [(r.op, r.bytes) for r in trace.records(3) if r.kind == "comm"]
+    out["tp_saved"] = saved.per_layer
+    out["tp_out"] = (y.detach(), h.grad)
     return out
 
 
@@ -167,5 +168,13 @@ def test_finder_predicts_measured_bytes():
                 assert sum(got) == count * size, (name, op, comm)
     tp = Model(10**6, 1, 32, 4, 6, global_batch=2, micro_batch=2, mixed_precision=False)
     ((op, count, size),) = collective_calls(tp, Config(1, n, 1))["tp"]
+    torch.manual_seed(0)
+    dense = Stack(1, 32, 4)
+    h = torch.randn(2, 6, 32, requires_grad=True)
+    want = dense(h)
+    want.sum().backward()
     for res in ranks:
         assert res["tp"] == [(op, size)] * count, res["tp"]
+        assert res["tp_saved"] == [layer_activation_bytes(2, 6, 32, 4, 4, tp=n)["total"]]
+        y, grad = res["tp_out"]
+        assert torch.allclose(y, want, atol=1e-5) and torch.allclose(grad, h.grad, atol=1e-5)

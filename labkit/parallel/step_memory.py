@@ -19,8 +19,9 @@ known: with T = b·s tokens, hidden h, a heads, e bytes per element, one layer s
 
 so e·(16·T·h + a·b·s²) + 16·T bytes: Korthikanti's 34·s·b·h + 5·a·s²·b (16-bit, with dropout)
 less the dropout masks and the dropout output (2·s·b·h + 3·a·s²·b). Under Megatron tensor
-parallelism over t ranks (no sequence parallelism) the LayerNorms' inputs and outputs stay
-whole and everything between the column and row splits divides by t.
+parallelism over t ranks (no sequence parallelism; `Block.split_tensor_parallel`) the
+LayerNorms' inputs and outputs stay whole and everything between the column and row splits
+divides by t: e·(4·T·h + (12·T·h + a·b·s²)/t) + 16·T.
 
 Activation recomputation (`torch.utils.checkpoint`) keeps only each layer's input, e·T·h,
 and runs the layer's forward again during backward: fewer saved bytes, the same gradients,
@@ -38,9 +39,16 @@ import math
 import time
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from labkit.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_parallel,
+)
 
 __all__ = [
     "Block",
@@ -107,8 +115,9 @@ class Block(nn.Module):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
-        self.heads = heads
+        self.heads, self.head_dim = heads, hidden // heads
         self.recompute = False
+        self.tp_group: object = None  # set by split_tensor_parallel
         self.ln1 = nn.LayerNorm(hidden, device=device)
         self.q, self.k, self.v, self.o = (
             nn.Linear(hidden, hidden, device=device) for _ in range(4)
@@ -117,9 +126,26 @@ class Block(nn.Module):
         self.fc1 = nn.Linear(hidden, 4 * hidden, device=device)
         self.fc2 = nn.Linear(4 * hidden, hidden, device=device)
 
+    def split_tensor_parallel(self, group: dist.ProcessGroup | None = None) -> Block:
+        """Megatron's split over `group` (every rank calls it, with the same weights): Q, K, V
+        and fc1 by columns (heads / t a rank), the output projection and fc2 by rows; the
+        LayerNorms stay whole. Forward then all_reduces twice, backward twice."""
+        t = dist.get_world_size(group)
+        if self.heads % t:
+            raise ValueError(f"heads={self.heads} must be a multiple of the group size {t}")
+        self.heads //= t
+        self.q, self.k, self.v = (
+            ColumnParallelLinear(m, group, copy_input=False) for m in (self.q, self.k, self.v)
+        )
+        self.o = RowParallelLinear(self.o, group)
+        self.fc1 = ColumnParallelLinear(self.fc1, group)
+        self.fc2 = RowParallelLinear(self.fc2, group)
+        self.tp_group = group if group is not None else dist.group.WORLD
+        return self
+
     def _split(self, t: torch.Tensor) -> torch.Tensor:
-        b, s, h = t.shape  # [b, s, h] -> [b, heads, s, h / heads], contiguous
-        return t.view(b, s, self.heads, h // self.heads).transpose(1, 2).contiguous()
+        b, s, _ = t.shape  # [b, s, heads·d] -> [b, heads, s, d], contiguous
+        return t.view(b, s, self.heads, self.head_dim).transpose(1, 2).contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.recompute:  # keep only x; run _layer again in backward, all of it (no early
@@ -128,11 +154,13 @@ class Block(nn.Module):
         return self._layer(x)
 
     def _layer(self, x: torch.Tensor) -> torch.Tensor:
-        b, s, h = x.shape
+        b, s, _ = x.shape
         y = self.ln1(x)
+        if self.tp_group is not None:  # once for Q, K and V: their input's gradient summed
+            y = copy_to_parallel(y, self.tp_group)
         q, k, v = self._split(self.q(y)), self._split(self.k(y)), self._split(self.v(y))
-        scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(h // self.heads))
-        context = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, h)
+        scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(self.head_dim))
+        context = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, -1)
         x = x + self.o(context)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -154,6 +182,12 @@ class Stack(nn.Module):
     def recompute(self, on: bool) -> None:
         for layer in self.layers:
             layer.recompute = on
+
+    def split_tensor_parallel(self, group: dist.ProcessGroup | None = None) -> Stack:
+        """Every layer split over `group` (`Block.split_tensor_parallel`); every rank calls it."""
+        for layer in self.layers:
+            layer.split_tensor_parallel(group)
+        return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for layer in self.layers:
