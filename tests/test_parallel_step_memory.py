@@ -178,3 +178,12 @@ def test_finder_predicts_measured_bytes():
         assert res["tp_saved"] == [layer_activation_bytes(2, 6, 32, 4, 4, tp=n)["total"]]
         y, grad = res["tp_out"]
         assert torch.allclose(y, want, atol=1e-5) and torch.allclose(grad, h.grad, atol=1e-5)
+
+
+def test_bad_shapes_say_what_is_wrong():
+    from labkit.parallel.step_memory import Block
+
+    with pytest.raises(ValueError, match="must be >= 1 and divide heads=4"):
+        layer_activation_bytes(1, 2, 8, 4, 4, tp=3)
+    with pytest.raises(ValueError, match="hidden=10 must be a multiple of heads=4"):
+        Block(10, 4)
