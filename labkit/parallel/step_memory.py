@@ -1,0 +1,337 @@
+"""The memory of one training step, by formula and counted from the tensors (rank side).
+
+A training step holds four kinds of bytes (Rajbhandari et al., ZeRO, 2020; Korthikanti et al.,
+Reducing Activation Recomputation, 2022; the Ultra-Scale Playbook's memory chapter):
+
+- weights and gradients: Psi parameters, 4 + 4 bytes each in fp32, 2 + 2 in mixed precision;
+- Adam's state: two moments, 8 bytes per parameter in fp32; under mixed precision also an fp32
+  master copy of the weights, 4 more (2 + 2 + 12 = 16 bytes, as in plain fp32: 4 + 4 + 8);
+- activations: what autograd saves in forward for backward, per layer.
+
+`Block` is a pre-norm transformer layer built from plain ops, so that what each op saves is
+known: with T = b·s tokens, hidden h, a heads, e bytes per element, one layer saves
+
+    attention: LN1 input, LN1 output (the q/k/v input), q, k, v, the softmax output, the
+               context (the output projection's input)       e·(6·T·h + a·b·s²)
+    MLP:       LN2 input, LN2 output, fc1 output (GELU's input), GELU output (fc2's input)
+                                                             e·(10·T·h)
+    LayerNorm: mean and 1/std per token, two LayerNorms, always fp32      4·4·T
+
+so e·(16·T·h + a·b·s²) + 16·T bytes: Korthikanti's 34·s·b·h + 5·a·s²·b (16-bit, with dropout)
+less the dropout masks and the dropout output (2·s·b·h + 3·a·s²·b). Under Megatron tensor
+parallelism over t ranks (no sequence parallelism; `Block.split_tensor_parallel`) the
+LayerNorms' inputs and outputs stay whole and everything between the column and row splits
+divides by t: e·(4·T·h + (12·T·h + a·b·s²)/t) + 16·T.
+
+Activation recomputation (`torch.utils.checkpoint`) keeps only each layer's input, e·T·h,
+and runs the layer's forward again during backward: fewer saved bytes, the same gradients,
+one extra forward per layer.
+
+`SavedBytes` counts what autograd keeps: a `torch.autograd.graph.saved_tensors_hooks` pack
+hook sees every tensor saved for backward; it adds up each distinct storage once (views of
+one tensor share it) and leaves out the parameters' storages. It counts the same on every
+device; on CUDA, `torch.cuda.memory_allocated` shows the allocator's view beside it.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+from labkit.parallel.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    copy_to_parallel,
+)
+
+__all__ = [
+    "Block",
+    "SavedBytes",
+    "Stack",
+    "adam_state_bytes",
+    "layer_activation_bytes",
+    "layernorm_stats_size",
+    "mixed_precision_adam",
+    "mixed_precision_bytes",
+    "mixed_precision_step",
+    "recompute_activation_bytes",
+]
+
+STATS_BYTES = 4  # LayerNorm keeps its mean and 1/std in fp32 whatever the input's dtype
+
+
+def layer_activation_bytes(
+    batch: int,
+    seq: int,
+    hidden: int,
+    heads: int,
+    element_size: int,
+    tp: int = 1,
+    stats_size: int = STATS_BYTES,
+) -> dict[str, int]:
+    """Bytes one `Block` saves for backward (module doc), per part; `tp` ranks of Megatron TP.
+
+    Keys: attention, mlp, layernorm (the statistics, `stats_size` bytes each), total.
+    """
+    if tp < 1 or heads % tp or hidden % tp:
+        raise ValueError(f"tp={tp} must be >= 1 and divide heads={heads} and hidden={hidden}")
+    tokens = batch * seq
+    th = tokens * hidden
+    out = {
+        "attention": element_size * (2 * th + (4 * th + heads * batch * seq * seq) // tp),
+        "mlp": element_size * (2 * th + 8 * th // tp),
+        "layernorm": 2 * 2 * stats_size * tokens,
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
+def recompute_activation_bytes(batch: int, seq: int, hidden: int, element_size: int) -> int:
+    """Bytes one checkpointed layer keeps between forward and backward: its input."""
+    return element_size * batch * seq * hidden
+
+
+def adam_state_bytes(num_params: int, mixed_precision: bool) -> dict[str, int]:
+    """Bytes of weights, grads and Adam state (master weights counted under optimizer)."""
+    if mixed_precision:
+        parts = {"params": 2, "grads": 2, "master": 4, "moments": 8}
+    else:
+        parts = {"params": 4, "grads": 4, "master": 0, "moments": 8}
+    out = {k: v * num_params for k, v in parts.items()}
+    out["total"] = sum(out.values())
+    return out
+
+
+class Block(nn.Module):
+    """A pre-norm transformer layer from plain ops: x + attn(LN1(x)), then + MLP(LN2(x))."""
+
+    def __init__(self, hidden: int, heads: int, device: torch.device | str | None = None):
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
+        self.heads, self.head_dim = heads, hidden // heads
+        self.recompute = False
+        self.tp_group: object = None  # set by split_tensor_parallel
+        self.ln1 = nn.LayerNorm(hidden, device=device)
+        self.q, self.k, self.v, self.o = (
+            nn.Linear(hidden, hidden, device=device) for _ in range(4)
+        )
+        self.ln2 = nn.LayerNorm(hidden, device=device)
+        self.fc1 = nn.Linear(hidden, 4 * hidden, device=device)
+        self.fc2 = nn.Linear(4 * hidden, hidden, device=device)
+
+    def split_tensor_parallel(self, group: dist.ProcessGroup | None = None) -> Block:
+        """Megatron's split over `group` (every rank calls it, with the same weights): Q, K, V
+        and fc1 by columns (heads / t a rank), the output projection and fc2 by rows; the
+        LayerNorms stay whole. Forward then all_reduces twice, backward twice."""
+        t = dist.get_world_size(group)
+        if self.heads % t:
+            raise ValueError(f"heads={self.heads} must be a multiple of the group size {t}")
+        self.heads //= t
+        self.q, self.k, self.v = (
+            ColumnParallelLinear(m, group, copy_input=False) for m in (self.q, self.k, self.v)
+        )
+        self.o = RowParallelLinear(self.o, group)
+        self.fc1 = ColumnParallelLinear(self.fc1, group)
+        self.fc2 = RowParallelLinear(self.fc2, group)
+        self.tp_group = group if group is not None else dist.group.WORLD
+        return self
+
+    def _split(self, t: torch.Tensor) -> torch.Tensor:
+        b, s, _ = t.shape  # [b, s, heads·d] -> [b, heads, s, d], contiguous
+        return t.view(b, s, self.heads, self.head_dim).transpose(1, 2).contiguous()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.recompute:  # keep only x; run _layer again in backward, all of it (no early
+            with set_checkpoint_early_stop(False):  # stop), so its whole time is measured
+                return checkpoint(self._layer, x, use_reentrant=False)
+        return self._layer(x)
+
+    def _layer(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        y = self.ln1(x)
+        if self.tp_group is not None:  # once for Q, K and V: their input's gradient summed
+            y = copy_to_parallel(y, self.tp_group)
+        q, k, v = self._split(self.q(y)), self._split(self.k(y)), self._split(self.v(y))
+        scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(self.head_dim))
+        context = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, -1)
+        x = x + self.o(context)
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class Stack(nn.Module):
+    """`num_layers` Blocks; `stack.recompute = True` runs each under `torch.utils.checkpoint`."""
+
+    def __init__(
+        self, num_layers: int, hidden: int, heads: int, device: torch.device | str | None = None
+    ):
+        super().__init__()
+        self.layers = nn.ModuleList(Block(hidden, heads, device) for _ in range(num_layers))
+
+    @property
+    def recompute(self) -> bool:
+        return all(layer.recompute for layer in self.layers)
+
+    @recompute.setter
+    def recompute(self, on: bool) -> None:
+        for layer in self.layers:
+            layer.recompute = on
+
+    def split_tensor_parallel(self, group: dist.ProcessGroup | None = None) -> Stack:
+        """Every layer split over `group` (`Block.split_tensor_parallel`); every rank calls it."""
+        for layer in self.layers:
+            layer.split_tensor_parallel(group)
+        return self
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+class SavedBytes:
+    """Counts the bytes autograd saves for backward, per layer of `model.layers` (Blocks).
+
+    Use as `with SavedBytes(model) as saved: loss = ...`, then `saved.backward(loss)`;
+    `saved.per_layer` has one int per layer (each storage counted once, where first saved) and
+    `saved.total` their sum. It also times the layers' forwards (from LN1's start to fc2's
+    end): `forwards` counts them, `forward_s` is their time in forward and `recompute_s`
+    their time inside backward, where only recomputation runs them.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model = model
+        self.per_layer = [0] * len(model.layers)
+        self.storages = 0  # distinct storages counted (the allocator rounds each one up)
+        self.forwards = 0
+        self.forward_s = 0.0
+        self.recompute_s = 0.0
+        self._layer = -1
+        self._seen: set[int] = set()
+        self._params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        self._handles: list = []
+        self._started = 0.0
+        self._in_backward = False
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in self._params and ptr not in self._seen and self._layer >= 0:
+            self._seen.add(ptr)
+            self.per_layer[self._layer] += storage.nbytes()
+            self.storages += 1
+        return t
+
+    def _enter(self, i: int):
+        def hook(module, args):
+            self._layer = i
+
+        return hook
+
+    def _leave(self, module, args, output):
+        self._layer = -1
+
+    def _start(self, module, args):
+        self.forwards += 1
+        self._started = time.perf_counter()
+
+    def _stop(self, module, args, output):
+        spent = time.perf_counter() - self._started
+        if self._in_backward:
+            self.recompute_s += spent
+        else:
+            self.forward_s += spent
+
+    @property
+    def total(self) -> int:
+        return sum(self.per_layer)
+
+    def __enter__(self) -> SavedBytes:
+        for i, layer in enumerate(self.model.layers):
+            self._handles += [
+                layer.register_forward_pre_hook(self._enter(i)),
+                layer.register_forward_hook(self._leave),
+                layer.ln1.register_forward_pre_hook(self._start),
+                layer.fc2.register_forward_hook(self._stop),
+            ]
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hooks.__exit__(*exc)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """`loss.backward()`, timing the forwards recomputation runs inside it."""
+        self._in_backward = True
+        try:
+            loss.backward()
+        finally:
+            self._in_backward = False
+            for h in self._handles:
+                h.remove()
+
+
+def layernorm_stats_size(dtype: torch.dtype, device: torch.device | str) -> int:
+    """Bytes per element of the mean and 1/std LayerNorm keeps for `dtype` input on `device`.
+
+    fp32 for fp32 input everywhere; for bf16/fp16 CUDA keeps fp32 statistics and the CPU
+    kernel keeps them in the input's dtype, so this asks the device's kernel.
+    """
+    x = torch.ones(1, 2, dtype=dtype, device=device)
+    w = torch.ones(2, dtype=dtype, device=device)
+    return torch.native_layer_norm(x, [2], w, w, 1e-5)[1].element_size()
+
+
+def mixed_precision_adam(
+    model: nn.Module, dtype: torch.dtype = torch.bfloat16, lr: float = 1e-3
+) -> tuple[list[torch.Tensor], torch.optim.Adam]:
+    """Mixed precision by hand: casts `model` to `dtype` in place and returns fp32 master
+    copies of its weights with an Adam over them (its two moments are fp32 too)."""
+    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
+    model.to(dtype)
+    return masters, torch.optim.Adam(masters, lr=lr)
+
+
+def mixed_precision_step(
+    model: nn.Module, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer
+) -> None:
+    """After backward: the low-precision grads go to the masters (as fp32), Adam steps the
+    masters, and the model's weights become the masters rounded to its dtype."""
+    with torch.no_grad():
+        for p, m in zip(model.parameters(), masters):
+            m.grad = p.grad.float()
+        optimizer.step()
+        for p, m in zip(model.parameters(), masters):
+            p.copy_(m)
+            m.grad = None  # fp32 grads kept across steps would add 4 bytes per parameter
+
+
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def mixed_precision_bytes(
+    model: nn.Module, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer
+) -> dict[str, int]:
+    """Bytes held after `mixed_precision_step`, counted from the tensors themselves.
+
+    Keys: params and grads (the model's, low precision), master (fp32 weights), moments
+    (Adam's exp_avg and exp_avg_sq), steps (Adam's per-tensor step counters), total.
+    """
+    state = [optimizer.state[m] for m in masters if m in optimizer.state]
+    out = {
+        "params": _nbytes(model.parameters()),
+        "grads": _nbytes(p.grad for p in model.parameters() if p.grad is not None),
+        "master": _nbytes(masters),
+        "moments": _nbytes(s[k] for s in state for k in ("exp_avg", "exp_avg_sq")),
+        "steps": _nbytes(s["step"] for s in state if torch.is_tensor(s.get("step"))),
+    }
+    out["total"] = sum(out.values())
+    return out

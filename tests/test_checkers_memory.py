@@ -1,0 +1,131 @@
+"""The checkers of notebooks 37 and 42 (in this process): right answers pass, the wrong
+answers learners write are rejected and named."""
+
+from __future__ import annotations
+
+import pytest
+
+from labkit.exercises import memory_checks as mc
+
+
+def layer_right(b, s, h, a, e):
+    t = b * s
+    return e * (16 * t * h + a * b * s * s) + 16 * t
+
+
+def layer_by_parts(b, s, h, a, e):  # the same, written op by op
+    t = b * s
+    attention = e * (t * h + t * h + 3 * t * h + a * b * s * s + t * h)
+    mlp = e * (t * h + t * h + 4 * t * h + 4 * t * h)
+    return attention + mlp + 2 * 2 * 4 * t
+
+
+def layer_no_scores(b, s, h, a, e):
+    return e * 16 * b * s * h + 16 * b * s
+
+
+def layer_no_stats(b, s, h, a, e):
+    return e * (16 * b * s * h + a * b * s * s)
+
+
+def layer_korthikanti(b, s, h, a, e):
+    return e * (34 * s * b * h + 5 * a * s * s * b) // 2
+
+
+def layer_scores_without_batch(b, s, h, a, e):
+    return e * (16 * b * s * h + a * s * s) + 16 * b * s
+
+
+def layer_mlp_unexpanded(b, s, h, a, e):  # forgets the 4x of the MLP
+    t = b * s
+    return e * (6 * t * h + a * b * s * s + 4 * t * h) + 16 * t
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "fn, ok, says",
+    [
+        (layer_right, True, "equal to the bytes autograd saved"),
+        (layer_by_parts, True, "equal to the bytes autograd saved"),
+        (layer_no_scores, False, "the attention scores are missing"),
+        (layer_no_stats, False, "statistics are missing"),
+        (layer_korthikanti, False, "with dropout"),
+        (layer_scores_without_batch, False, "a·b·s², not a·s²"),
+        (layer_mlp_unexpanded, False, "count each tensor"),
+        (lambda b, s, h: 0, False, "raised TypeError"),
+    ],
+)
+def test_check_layer_bytes(fn, ok, says):
+    verdict = mc.check_layer_bytes(fn)
+    assert bool(verdict) is ok and says in verdict.message, verdict.message
+
+
+def test_layer_solution_passes():
+    namespace: dict = {}
+    exec(mc.solution_layer_bytes().code, namespace)
+    assert mc.check_layer_bytes(namespace["layer_bytes"])
+
+
+def _ceil(a, b):
+    return -(-a // b)
+
+
+def config_right(psi, dp, tp, pp, zero):
+    local = _ceil(psi, tp * pp)
+    shard = _ceil(local, dp)
+    return (
+        2 * (shard if zero >= 3 else local)
+        + 2 * (shard if zero >= 2 else local)
+        + 12 * (shard if zero >= 1 else local)
+    )
+
+
+def config_parts(psi, dp, tp, pp, zero):  # the same, by lists of parts
+    local = _ceil(psi, tp * pp)
+    sizes = [local if zero < k else _ceil(local, dp) for k in (3, 2, 1)]
+    return sum(b * n for b, n in zip((2, 2, 4 + 4 + 4), sizes))
+
+
+def _like(p, g, o, divide_zero=True, split=True, ceil=True):
+    def fn(psi, dp, tp, pp, zero):
+        local = _ceil(psi, tp * pp) if split else psi
+        shard = (_ceil(local, dp) if ceil else local // dp) if divide_zero else local
+        return (
+            p * (shard if zero >= 3 else local)
+            + g * (shard if zero >= 2 else local)
+            + o * (shard if zero >= 1 else local)
+        )
+
+    return fn
+
+
+def config_all_divided(psi, dp, tp, pp, zero):
+    return 16 * _ceil(_ceil(psi, tp * pp), dp)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "fn, ok, says",
+    [
+        (config_right, True, "right on 5 configurations"),
+        (config_parts, True, "right on 5 configurations"),
+        (_like(2, 2, 0), False, "the optimizer state is missing"),
+        (_like(2, 2, 10), False, "master weights are fp32"),
+        (_like(2, 2, 4), False, "two moments are missing"),
+        (_like(2, 2, 12, divide_zero=False), False, "ZeRO divides by the data-parallel"),
+        (config_all_divided, False, "only the stage's parts are sharded"),
+        (_like(2, 2, 12, split=False), False, "TP and PP split the parameters first"),
+        (_like(2, 2, 12, ceil=False), False, "the shard rounds up"),
+        (_like(4, 4, 8), False, "weights 2 + grads 2 + optimizer 12"),
+        (lambda psi: psi, False, "raised TypeError"),
+    ],
+)
+def test_check_config_memory(fn, ok, says):
+    verdict = mc.check_config_memory(fn)
+    assert bool(verdict) is ok and says in verdict.message, verdict.message
+
+
+def test_config_solution_passes():
+    namespace: dict = {}
+    exec(mc.solution_config_memory().code, namespace)
+    assert mc.check_config_memory(namespace["config_memory"])
