@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.parallel import data_parallel, zero_redundancy
+from labkit.parallel import data_parallel, zero_redundancy, zero_stages
 from labkit.parallel.datasets import load_digits
 
 try:
@@ -108,3 +110,85 @@ def test_zero1_and_fsdp2_equal_plain_step_with_sharded_state():
 def test_zero1_rejects_empty_params():
     with pytest.raises(ValueError, match="at least 1"):
         zero_redundancy.Zero1Optimizer([])
+
+
+def _traced(cell: int) -> list[tuple[str, int]]:
+    from labkit.rank import trace_state
+
+    return [(r.op, r.bytes) for r in trace_state.STATE.records.get(cell, []) if r.kind == "comm"]
+
+
+def _stages_rank(rank: int, world_size: int) -> dict:
+    from labkit.rank import dist_tracing, trace_state
+
+    torch.set_num_threads(1)
+    dist_tracing.install()
+    X, y = load_digits()
+    num_steps, b = 3, 12
+    glob = [torch.arange(s * b * world_size, (s + 1) * b * world_size) for s in range(num_steps)]
+    mine = [g[rank * b : (rank + 1) * b] for g in glob]
+    ref = data_parallel.make_mlp(seed=3, hidden=20)
+    _steps(ref, torch.optim.Adam(ref.parameters(), lr=0.01), X, y, glob)
+    out = {"shapes": [tuple(p.shape) for p in ref.parameters()]}
+    for stage, cls in ((2, zero_stages.Zero2Optimizer), (3, zero_stages.Zero3Optimizer)):
+        model = data_parallel.make_mlp(seed=3, hidden=20)
+        opt = cls(model, torch.optim.Adam, lr=0.01)
+        _steps(model, opt, X, y, mine[:-1])
+        trace_state.STATE.cell = stage  # the last step's collectives, apart
+        opt.zero_grad()
+        F.cross_entropy(model(X[mine[-1]]), y[mine[-1]]).backward()
+        out[f"whole_grads_{stage}"] = sum(p.grad is not None for p in model.parameters())
+        opt.step()
+        trace_state.STATE.cell = 0
+        out[f"traffic_{stage}"] = _traced(stage)
+        out[f"bytes_{stage}"] = zero_redundancy.measure_state_bytes(model, opt)
+        weights = opt.full_weights() if stage == 3 else list(model.parameters())
+        out[f"diff_{stage}"] = max(
+            (p - q).abs().max().item() for p, q in zip(weights, ref.parameters())
+        )
+        if stage == 3:
+            out["whole_storage_3"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    model = zero_redundancy.fully_shard_model(data_parallel.make_mlp(seed=3, hidden=20))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _steps(model, opt, X, y, mine[:-1])
+    trace_state.STATE.cell = 4
+    _steps(model, opt, X, y, mine[-1:])
+    trace_state.STATE.cell = 0
+    out["traffic_fsdp"] = _traced(4)
+    out["bytes_fsdp"] = zero_redundancy.measure_state_bytes(model, opt)
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_zero2_and_zero3_by_hand_equal_single_process_and_fsdp2():
+    world_size = 3  # 20 and 10 rows do not divide by 3: the padding is exercised
+    results = run_ranks(_stages_rank, world_size)
+    shapes = results[0]["shapes"]
+    num_params = sum(math.prod(s) for s in shapes)
+    # each tensor padded on dim 0 to a multiple of 3 rows: 21 x 64 + 21 + 12 x 20 + 12
+    padded = sum(-(-s[0] // world_size) * world_size * math.prod(s[1:]) for s in shapes)
+    assert padded == 21 * 64 + 21 + 12 * 20 + 12
+    held = [zero_stages.row_shard_numel(shapes, world_size, r) for r in range(world_size)]
+    assert sum(held) == num_params and len(set(held)) > 1  # uneven pieces, no overlap
+    layer0, layer2 = 4 * (21 * 64 + 21), 4 * (12 * 20 + 12)
+    for r, res in enumerate(results):
+        assert res["diff_2"] < 1e-6 and res["diff_3"] < 1e-6, res
+        assert res["whole_grads_2"] == res["whole_grads_3"] == 0  # freed in backward
+        assert res["whole_storage_3"] == 0  # whole weights freed outside forward/backward
+        z2, z3, fsdp = res["bytes_2"], res["bytes_3"], res["bytes_fsdp"]
+        assert z2["params"] == 4 * num_params and z2["grads"] == 4 * held[r]
+        assert z3["params"] == z3["grads"] == 4 * held[r]
+        assert z2["optimizer"] == z3["optimizer"] == 8 * held[r] + 4 * len(shapes)
+        assert z3 == fsdp  # FSDP2 holds the same bytes, to the byte
+        AG, RS = "all_gather_single", "reduce_scatter_single"
+        assert sorted(res["traffic_2"]) == sorted(
+            [(AG, layer0), (AG, layer2), (RS, layer0), (RS, layer2)]
+        )
+        assert (
+            sorted(res["traffic_3"])
+            == sorted(res["traffic_fsdp"])
+            == sorted([(AG, layer0), (AG, layer2)] * 2 + [(RS, layer0), (RS, layer2)])
+        )
+        for stage in (2, 3):
+            formula = zero_redundancy.zero_traffic(padded, stage)
+            assert sum(b for _, b in res[f"traffic_{stage}"]) == formula["total"]

@@ -35,6 +35,7 @@ __all__ = [
     "fully_shard_model",
     "measure_state_bytes",
     "zero_memory",
+    "zero_traffic",
 ]
 
 
@@ -68,6 +69,29 @@ def zero_memory(
     shard = math.ceil(num_params / world_size)
     sharded = {"optimizer": stage >= 1, "grads": stage >= 2, "params": stage >= 3}
     out = {k: per_param[k] * (shard if sharded[k] else num_params) for k in per_param}
+    out["total"] = sum(out.values())
+    return out
+
+
+def zero_traffic(num_params: int, stage: int, element_size: int = 4) -> dict[str, int]:
+    """Bytes of one step's collectives on a rank, as labkit's trace records them (per op).
+
+    A record's bytes are the whole buffer (nccl-tests' S): an all_gather's gathered output, a
+    reduce_scatter's unsplit input. `num_params` counts the parameters as sent, padded to whole
+    shards. Stage 0 all-reduces the gradients (S = Psi); stages 1 and 2 reduce-scatter them and
+    all-gather the updated weights (Psi + Psi, the same as an all-reduce); stage 3 all-gathers
+    the weights before forward and again before backward (2 Psi) and reduce-scatters the
+    gradients (Psi). A ring sends (N-1)/N of S per rank for each all_gather and reduce_scatter
+    and twice that for an all_reduce: stage 3 moves 1.5 times what stages 0-2 move.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be in [0, 3], got {stage}")
+    psi = num_params * element_size
+    out = {
+        "all_reduce": psi if stage == 0 else 0,
+        "reduce_scatter": psi if stage >= 1 else 0,
+        "all_gather": {0: 0, 1: psi, 2: psi, 3: 2 * psi}[stage],
+    }
     out["total"] = sum(out.values())
     return out
 
@@ -150,21 +174,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def measure_state_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer | Zero1Optimizer
-) -> dict[str, int]:
+def measure_state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
     """Bytes this rank actually holds for weights, grads and optimizer state (no collectives).
 
-    Counts this rank's local piece of sharded (FSDP2 DTensor) tensors; for a Zero1Optimizer
-    the optimizer state is its inner optimizer's state for the owned slice. Keys: params,
-    grads, optimizer, total.
+    Counts this rank's local piece of sharded (FSDP2 DTensor) tensors; for the by-hand
+    optimizers (Zero1Optimizer, zero_stages' Zero2Optimizer and Zero3Optimizer) the optimizer
+    state is their inner optimizer's state for the owned rows, and ZeRO-2/3 say which weights
+    and gradients they keep (`held()`). Keys: params, grads, optimizer, total.
     """
-    params = list(model.parameters())
-    inner = optimizer.optimizer if isinstance(optimizer, Zero1Optimizer) else optimizer
+    if hasattr(optimizer, "held"):
+        weights, grads = optimizer.held()
+    else:
+        weights = list(model.parameters())
+        grads = [p.grad for p in weights if p.grad is not None]
+    inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
     state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     out = {
-        "params": sum(_nbytes(p) for p in params),
-        "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+        "params": sum(_nbytes(p) for p in weights),
+        "grads": sum(_nbytes(g) for g in grads),
         "optimizer": sum(_nbytes(v) for v in state),
     }
     out["total"] = sum(out.values())
