@@ -192,3 +192,30 @@ def test_zero2_and_zero3_by_hand_equal_single_process_and_fsdp2():
         for stage in (2, 3):
             formula = zero_redundancy.zero_traffic(padded, stage)
             assert sum(b for _, b in res[f"traffic_{stage}"]) == formula["total"]
+
+
+def test_zero_traffic_formula():
+    ar_only = {"all_reduce": 400, "reduce_scatter": 0, "all_gather": 0, "total": 400}
+    assert zero_redundancy.zero_traffic(100, 0) == ar_only
+    rs_ag = {"all_reduce": 0, "reduce_scatter": 400, "all_gather": 400, "total": 800}
+    assert zero_redundancy.zero_traffic(100, 1) == zero_redundancy.zero_traffic(100, 2) == rs_ag
+    stage3 = {"all_reduce": 0, "reduce_scatter": 400, "all_gather": 800, "total": 1200}
+    assert zero_redundancy.zero_traffic(100, 3) == stage3
+    assert zero_redundancy.zero_traffic(100, 3, element_size=2)["total"] == 600
+    with pytest.raises(ValueError, match=r"stage must be in \[0, 3\]"):
+        zero_redundancy.zero_traffic(100, -1)
+
+
+def test_row_shard_numel_is_torch_chunk():
+    shapes = [(10, 256), (10,), (256, 64), (3, 2, 2)]
+    for n in (1, 3, 4, 16):
+        for r in range(n):
+            pieces = [torch.empty(s).chunk(n) for s in shapes]
+            expected = sum(p[r].numel() for p in pieces if r < len(p))
+            assert zero_stages.row_shard_numel(shapes, n, r) == expected, (n, r)
+
+
+def test_zero_stages_reject_a_model_without_weights():
+    for cls in (zero_stages.Zero2Optimizer, zero_stages.Zero3Optimizer):
+        with pytest.raises(ValueError, match="at least 1 parameter"):
+            cls(torch.nn.ReLU())

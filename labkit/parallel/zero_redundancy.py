@@ -13,7 +13,8 @@ ZeRO-1 step on rank r, which owns slice r of the flattened (padded) parameter ve
 reduce_scatter the gradients (sum, / N) so rank r gets the averaged gradient of its slice, step
 the optimizer on that slice only, all_gather the slices. Communication equals one all_reduce
 (= reduce_scatter + all_gather); the result equals the replicated optimizer step exactly,
-because Adam and SGD are elementwise. FSDP2 (`fully_shard`) is PyTorch's ZeRO-3.
+because Adam and SGD are elementwise. ZeRO-2 and ZeRO-3 by hand are in `zero_stages`; FSDP2
+(`fully_shard`) is PyTorch's ZeRO-3. `zero_traffic` gives each stage's collectives per step.
 """
 
 from __future__ import annotations
@@ -104,8 +105,8 @@ class Zero1Optimizer:
     a multiple of N); rank r owns slice r and its inner optimizer (`optimizer_cls`, e.g.
     torch.optim.Adam) sees only that slice. Use like an optimizer: backward, `step()`,
     `zero_grad()`. Gradients need not be averaged first: `step()` reduce-scatters them.
-    Not a torch.optim.Optimizer (LR schedulers do not attach to it); stage 2 would also free
-    the full gradients after the reduce_scatter, stage 3 the weights outside forward/backward.
+    Not a torch.optim.Optimizer (LR schedulers do not attach to it). `zero_stages` goes on:
+    ZeRO-2 frees the whole gradients after a reduce_scatter per layer, ZeRO-3 the weights too.
     """
 
     def __init__(
