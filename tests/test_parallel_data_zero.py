@@ -127,11 +127,11 @@ def _stages_rank(rank: int, world_size: int) -> dict:
     num_steps, b = 3, 12
     glob = [torch.arange(s * b * world_size, (s + 1) * b * world_size) for s in range(num_steps)]
     mine = [g[rank * b : (rank + 1) * b] for g in glob]
-    ref = data_parallel.make_mlp(seed=3, hidden=20)
+    ref = data_parallel.make_mlp(seed=3, hidden=21)
     _steps(ref, torch.optim.Adam(ref.parameters(), lr=0.01), X, y, glob)
     out = {"shapes": [tuple(p.shape) for p in ref.parameters()]}
     for stage, cls in ((2, zero_stages.Zero2Optimizer), (3, zero_stages.Zero3Optimizer)):
-        model = data_parallel.make_mlp(seed=3, hidden=20)
+        model = data_parallel.make_mlp(seed=3, hidden=21)
         opt = cls(model, torch.optim.Adam, lr=0.01)
         _steps(model, opt, X, y, mine[:-1])
         trace_state.STATE.cell = stage  # the last step's collectives, apart
@@ -148,7 +148,7 @@ def _stages_rank(rank: int, world_size: int) -> dict:
         )
         if stage == 3:
             out["whole_storage_3"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    model = zero_redundancy.fully_shard_model(data_parallel.make_mlp(seed=3, hidden=20))
+    model = zero_redundancy.fully_shard_model(data_parallel.make_mlp(seed=3, hidden=21))
     opt = torch.optim.Adam(model.parameters(), lr=0.01)
     _steps(model, opt, X, y, mine[:-1])
     trace_state.STATE.cell = 4
@@ -161,16 +161,16 @@ def _stages_rank(rank: int, world_size: int) -> dict:
 
 @pytest.mark.timeout(120)
 def test_zero2_and_zero3_by_hand_equal_single_process_and_fsdp2():
-    world_size = 3  # 20 and 10 rows do not divide by 3: the padding is exercised
+    world_size = 2  # 21 rows do not divide by 2: the padding is exercised
     results = run_ranks(_stages_rank, world_size)
     shapes = results[0]["shapes"]
     num_params = sum(math.prod(s) for s in shapes)
-    # each tensor padded on dim 0 to a multiple of 3 rows: 21 x 64 + 21 + 12 x 20 + 12
+    # each tensor padded on dim 0 to a multiple of 2 rows: 22 x 64 + 22 + 10 x 21 + 10
     padded = sum(-(-s[0] // world_size) * world_size * math.prod(s[1:]) for s in shapes)
-    assert padded == 21 * 64 + 21 + 12 * 20 + 12
+    assert padded == 22 * 64 + 22 + 10 * 21 + 10
     held = [zero_stages.row_shard_numel(shapes, world_size, r) for r in range(world_size)]
     assert sum(held) == num_params and len(set(held)) > 1  # uneven pieces, no overlap
-    layer0, layer2 = 4 * (21 * 64 + 21), 4 * (12 * 20 + 12)
+    layer0, layer2 = 4 * (22 * 64 + 22), 4 * (10 * 21 + 10)
     for r, res in enumerate(results):
         assert res["diff_2"] < 1e-6 and res["diff_3"] < 1e-6, res
         assert res["whole_grads_2"] == res["whole_grads_3"] == 0  # freed in backward
