@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
 
-from labkit.parallel import data_parallel, zero_redundancy
+from labkit.parallel import data_parallel, zero_redundancy, zero_stages
 from labkit.parallel.datasets import load_digits
 
 try:
@@ -91,7 +93,7 @@ def _zero_rank(rank: int, world_size: int) -> dict:
     return out
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_zero1_and_fsdp2_equal_plain_step_with_sharded_state():
     world_size = 2
     for r in run_ranks(_zero_rank, world_size):
@@ -108,3 +110,112 @@ def test_zero1_and_fsdp2_equal_plain_step_with_sharded_state():
 def test_zero1_rejects_empty_params():
     with pytest.raises(ValueError, match="at least 1"):
         zero_redundancy.Zero1Optimizer([])
+
+
+def _traced(cell: int) -> list[tuple[str, int]]:
+    from labkit.rank import trace_state
+
+    return [(r.op, r.bytes) for r in trace_state.STATE.records.get(cell, []) if r.kind == "comm"]
+
+
+def _stages_rank(rank: int, world_size: int) -> dict:
+    from labkit.rank import dist_tracing, trace_state
+
+    torch.set_num_threads(1)
+    dist_tracing.install()
+    X, y = load_digits()
+    num_steps, b = 3, 12
+    glob = [torch.arange(s * b * world_size, (s + 1) * b * world_size) for s in range(num_steps)]
+    mine = [g[rank * b : (rank + 1) * b] for g in glob]
+    ref = data_parallel.make_mlp(seed=3, hidden=21)
+    _steps(ref, torch.optim.Adam(ref.parameters(), lr=0.01), X, y, glob)
+    out = {"shapes": [tuple(p.shape) for p in ref.parameters()]}
+    for stage, cls in ((2, zero_stages.Zero2Optimizer), (3, zero_stages.Zero3Optimizer)):
+        model = data_parallel.make_mlp(seed=3, hidden=21)
+        opt = cls(model, torch.optim.Adam, lr=0.01)
+        _steps(model, opt, X, y, mine[:-1])
+        trace_state.STATE.cell = stage  # the last step's collectives, apart
+        opt.zero_grad()
+        F.cross_entropy(model(X[mine[-1]]), y[mine[-1]]).backward()
+        out[f"whole_grads_{stage}"] = sum(p.grad is not None for p in model.parameters())
+        opt.step()
+        trace_state.STATE.cell = 0
+        out[f"traffic_{stage}"] = _traced(stage)
+        out[f"bytes_{stage}"] = zero_redundancy.measure_state_bytes(model, opt)
+        weights = opt.full_weights() if stage == 3 else list(model.parameters())
+        out[f"diff_{stage}"] = max(
+            (p - q).abs().max().item() for p, q in zip(weights, ref.parameters())
+        )
+        if stage == 3:
+            out["whole_storage_3"] = sum(p.untyped_storage().nbytes() for p in model.parameters())
+    model = zero_redundancy.fully_shard_model(data_parallel.make_mlp(seed=3, hidden=21))
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    _steps(model, opt, X, y, mine[:-1])
+    trace_state.STATE.cell = 4
+    _steps(model, opt, X, y, mine[-1:])
+    trace_state.STATE.cell = 0
+    out["traffic_fsdp"] = _traced(4)
+    out["bytes_fsdp"] = zero_redundancy.measure_state_bytes(model, opt)
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_zero2_and_zero3_by_hand_equal_single_process_and_fsdp2():
+    world_size = 2  # 21 rows do not divide by 2: the padding is exercised
+    results = run_ranks(_stages_rank, world_size)
+    shapes = results[0]["shapes"]
+    num_params = sum(math.prod(s) for s in shapes)
+    # each tensor padded on dim 0 to a multiple of 2 rows: 22 x 64 + 22 + 10 x 21 + 10
+    padded = sum(-(-s[0] // world_size) * world_size * math.prod(s[1:]) for s in shapes)
+    assert padded == 22 * 64 + 22 + 10 * 21 + 10
+    held = [zero_stages.row_shard_numel(shapes, world_size, r) for r in range(world_size)]
+    assert sum(held) == num_params and len(set(held)) > 1  # uneven pieces, no overlap
+    layer0, layer2 = 4 * (22 * 64 + 22), 4 * (10 * 21 + 10)
+    for r, res in enumerate(results):
+        assert res["diff_2"] < 1e-6 and res["diff_3"] < 1e-6, res
+        assert res["whole_grads_2"] == res["whole_grads_3"] == 0  # freed in backward
+        assert res["whole_storage_3"] == 0  # whole weights freed outside forward/backward
+        z2, z3, fsdp = res["bytes_2"], res["bytes_3"], res["bytes_fsdp"]
+        assert z2["params"] == 4 * num_params and z2["grads"] == 4 * held[r]
+        assert z3["params"] == z3["grads"] == 4 * held[r]
+        assert z2["optimizer"] == z3["optimizer"] == 8 * held[r] + 4 * len(shapes)
+        assert z3 == fsdp  # FSDP2 holds the same bytes, to the byte
+        AG, RS = "all_gather_single", "reduce_scatter_single"
+        assert sorted(res["traffic_2"]) == sorted(
+            [(AG, layer0), (AG, layer2), (RS, layer0), (RS, layer2)]
+        )
+        assert (
+            sorted(res["traffic_3"])
+            == sorted(res["traffic_fsdp"])
+            == sorted([(AG, layer0), (AG, layer2)] * 2 + [(RS, layer0), (RS, layer2)])
+        )
+        for stage in (2, 3):
+            formula = zero_redundancy.zero_traffic(padded, stage)
+            assert sum(b for _, b in res[f"traffic_{stage}"]) == formula["total"]
+
+
+def test_zero_traffic_formula():
+    ar_only = {"all_reduce": 400, "reduce_scatter": 0, "all_gather": 0, "total": 400}
+    assert zero_redundancy.zero_traffic(100, 0) == ar_only
+    rs_ag = {"all_reduce": 0, "reduce_scatter": 400, "all_gather": 400, "total": 800}
+    assert zero_redundancy.zero_traffic(100, 1) == zero_redundancy.zero_traffic(100, 2) == rs_ag
+    stage3 = {"all_reduce": 0, "reduce_scatter": 400, "all_gather": 800, "total": 1200}
+    assert zero_redundancy.zero_traffic(100, 3) == stage3
+    assert zero_redundancy.zero_traffic(100, 3, element_size=2)["total"] == 600
+    with pytest.raises(ValueError, match=r"stage must be in \[0, 3\]"):
+        zero_redundancy.zero_traffic(100, -1)
+
+
+def test_row_shard_numel_is_torch_chunk():
+    shapes = [(10, 256), (10,), (256, 64), (3, 2, 2)]
+    for n in (1, 3, 4, 16):
+        for r in range(n):
+            pieces = [torch.empty(s).chunk(n) for s in shapes]
+            expected = sum(p[r].numel() for p in pieces if r < len(p))
+            assert zero_stages.row_shard_numel(shapes, n, r) == expected, (n, r)
+
+
+def test_zero_stages_reject_a_model_without_weights():
+    for cls in (zero_stages.Zero2Optimizer, zero_stages.Zero3Optimizer):
+        with pytest.raises(ValueError, match="at least 1 parameter"):
+            cls(torch.nn.ReLU())

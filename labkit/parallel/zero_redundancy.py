@@ -13,7 +13,8 @@ ZeRO-1 step on rank r, which owns slice r of the flattened (padded) parameter ve
 reduce_scatter the gradients (sum, / N) so rank r gets the averaged gradient of its slice, step
 the optimizer on that slice only, all_gather the slices. Communication equals one all_reduce
 (= reduce_scatter + all_gather); the result equals the replicated optimizer step exactly,
-because Adam and SGD are elementwise. FSDP2 (`fully_shard`) is PyTorch's ZeRO-3.
+because Adam and SGD are elementwise. ZeRO-2 and ZeRO-3 by hand are in `zero_stages`; FSDP2
+(`fully_shard`) is PyTorch's ZeRO-3. `zero_traffic` gives each stage's collectives per step.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ __all__ = [
     "fully_shard_model",
     "measure_state_bytes",
     "zero_memory",
+    "zero_traffic",
 ]
 
 
@@ -72,6 +74,29 @@ def zero_memory(
     return out
 
 
+def zero_traffic(num_params: int, stage: int, element_size: int = 4) -> dict[str, int]:
+    """Bytes of one step's collectives on a rank, as labkit's trace records them (per op).
+
+    A record's bytes are the whole buffer (nccl-tests' S): an all_gather's gathered output, a
+    reduce_scatter's unsplit input. `num_params` counts the parameters as sent, padded to whole
+    shards. Stage 0 all-reduces the gradients (S = Psi); stages 1 and 2 reduce-scatter them and
+    all-gather the updated weights (Psi + Psi, the same as an all-reduce); stage 3 all-gathers
+    the weights before forward and again before backward (2 Psi) and reduce-scatters the
+    gradients (Psi). A ring sends (N-1)/N of S per rank for each all_gather and reduce_scatter
+    and twice that for an all_reduce: stage 3 moves 1.5 times what stages 0-2 move.
+    """
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"stage must be in [0, 3], got {stage}")
+    psi = num_params * element_size
+    out = {
+        "all_reduce": psi if stage == 0 else 0,
+        "reduce_scatter": psi if stage >= 1 else 0,
+        "all_gather": {0: 0, 1: psi, 2: psi, 3: 2 * psi}[stage],
+    }
+    out["total"] = sum(out.values())
+    return out
+
+
 class Zero1Optimizer:
     """ZeRO-1 by hand: each rank keeps optimizer state for 1/N of the weights only.
 
@@ -80,8 +105,8 @@ class Zero1Optimizer:
     a multiple of N); rank r owns slice r and its inner optimizer (`optimizer_cls`, e.g.
     torch.optim.Adam) sees only that slice. Use like an optimizer: backward, `step()`,
     `zero_grad()`. Gradients need not be averaged first: `step()` reduce-scatters them.
-    Not a torch.optim.Optimizer (LR schedulers do not attach to it); stage 2 would also free
-    the full gradients after the reduce_scatter, stage 3 the weights outside forward/backward.
+    Not a torch.optim.Optimizer (LR schedulers do not attach to it). `zero_stages` goes on:
+    ZeRO-2 frees the whole gradients after a reduce_scatter per layer, ZeRO-3 the weights too.
     """
 
     def __init__(
@@ -150,21 +175,24 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def measure_state_bytes(
-    model: nn.Module, optimizer: torch.optim.Optimizer | Zero1Optimizer
-) -> dict[str, int]:
+def measure_state_bytes(model: nn.Module, optimizer: Any) -> dict[str, int]:
     """Bytes this rank actually holds for weights, grads and optimizer state (no collectives).
 
-    Counts this rank's local piece of sharded (FSDP2 DTensor) tensors; for a Zero1Optimizer
-    the optimizer state is its inner optimizer's state for the owned slice. Keys: params,
-    grads, optimizer, total.
+    Counts this rank's local piece of sharded (FSDP2 DTensor) tensors; for the by-hand
+    optimizers (Zero1Optimizer, zero_stages' Zero2Optimizer and Zero3Optimizer) the optimizer
+    state is their inner optimizer's state for the owned rows, and ZeRO-2/3 say which weights
+    and gradients they keep (`held()`). Keys: params, grads, optimizer, total.
     """
-    params = list(model.parameters())
-    inner = optimizer.optimizer if isinstance(optimizer, Zero1Optimizer) else optimizer
+    if hasattr(optimizer, "held"):
+        weights, grads = optimizer.held()
+    else:
+        weights = list(model.parameters())
+        grads = [p.grad for p in weights if p.grad is not None]
+    inner = optimizer if isinstance(optimizer, torch.optim.Optimizer) else optimizer.optimizer
     state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)]
     out = {
-        "params": sum(_nbytes(p) for p in params),
-        "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
+        "params": sum(_nbytes(p) for p in weights),
+        "grads": sum(_nbytes(g) for g in grads),
         "optimizer": sum(_nbytes(v) for v in state),
     }
     out["total"] = sum(out.values())
