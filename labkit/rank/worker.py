@@ -43,7 +43,7 @@ from typing import Any
 
 import zmq
 
-from labkit.rank import process_group, stacks, trace
+from labkit.rank import process_group, progress, stacks, trace
 from labkit.rank.capture import Capture
 from labkit.rank.user_code import (
     call_function,
@@ -163,10 +163,10 @@ class Rank:
         msg.update(rank=self.rank, gen=self.gen)
         self.ctrl.send_multipart(self.codec.encode(msg), copy=False)
 
-    def send_side(self, msg: Stream | Status | Stacks) -> None:
+    def send_side(self, msg: RankToKernel) -> None:  # stream, status, stacks, progress
         msg.update(rank=self.rank, gen=self.gen)
         with self.side_lock:
-            if msg["type"] == "stream":
+            if msg["type"] in ("stream", "progress"):
                 self.stream_seq += 1
                 msg["seq"] = self.stream_seq
             self.side.send_multipart(self.codec.encode(msg, shared=False), copy=False)
@@ -189,6 +189,7 @@ class Rank:
         builtins.input = no_input
         sys.breakpointhook = no_breakpoint
         signal.signal(signal.SIGINT, self._on_sigint)
+        progress.install(self.send_side, lambda: self.busy_cell)  # tqdm bars: to the kernel
         threading.Thread(target=self._heartbeat, name="labkit-heartbeat", daemon=True).start()
         import torch
         import torch.distributed as dist

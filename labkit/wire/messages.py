@@ -28,6 +28,7 @@ between the kernel and its fork server, as one JSON object per line over the ser
 | side        | kernel -> rank | `Interrupt`     | Stop pressed, for a rank labkit cannot signal   |
 | side        | kernel -> rank | `AskStacks`     | send every thread's Python stack now            |
 | side        | rank -> kernel | `Stacks`        | ... the stacks, as text (the heartbeat thread)  |
+| side        | rank -> kernel | `Progress`      | a tqdm bar's state (labkit.rank.progress)       |
 | server pipe | kernel -> srv  | `SpawnCommand`  | fork one rank with this `RankConfig`            |
 | server pipe | kernel -> srv  | `SignalCommand` | signal ranks the server forked                  |
 | server pipe | kernel -> srv  | `ExitCommand`   | kill the ranks and leave                        |
@@ -220,7 +221,7 @@ class Done(_Done, total=False):
     display: DisplayInfo  # exec only, when there is a value and display was asked
     duration: float  # exec only: seconds the cell ran
     t_end: float  # exec only: when it ended, on the rank's clock
-    stream_seq: int  # exec only: the last Stream.seq sent before this reply
+    stream_seq: int  # exec only: the last Stream (or Progress) seq sent before this reply
     progress: dict[str, Any]  # exec only: the tracer's progress (see Status.progress)
 
 
@@ -269,6 +270,32 @@ class Stacks(FromRank):
     busy: int | None  # the cell running, or None when idle
     text: str  # every thread's stack, main thread first, innermost frame first (rank.stacks)
     where: str | None  # the main thread's cell line ("line 3: time.sleep(60)"), if any
+
+
+# -- rank -> kernel, side socket: progress bars (labkit.rank.progress) -------------------------
+
+
+class _Progress(FromRank):
+    """A tqdm bar's state, sent at most every 0.1 s per bar and when it closes. Numbered in
+    the rank's output sequence (`seq`, as `Stream`), so a `done` follows its last state."""
+
+    type: Literal["progress"]
+    bar: int  # 1, 2, ... per rank process: which bar
+    cell: int | None  # the cell running when it was sent
+    n: float  # tqdm's counter
+    total: float | None  # None: unknown
+    desc: str
+    unit: str
+    unit_scale: bool | float  # tqdm's own argument (the kernel formats with it)
+    rate: float | None  # units per second (tqdm's smoothed rate), None before it is known
+    elapsed: float  # seconds since the bar started
+    postfix: str  # set_postfix's text
+    leave: bool  # whether the bar stays once closed (tqdm's `leave`)
+    closed: bool  # the final state
+
+
+class Progress(_Progress, total=False):
+    seq: int  # added by send_side(), in the same numbering as `Stream.seq`
 
 
 # -- the fork server's pipes: JSON lines --------------------------------------------------------
@@ -322,6 +349,6 @@ class Exited(TypedDict):
 
 _KernelToRankCtrl = Init | Exec | Pull | Push | Trace | Ping | Exit | Welcome | Refused
 KernelToRank = _KernelToRankCtrl | Interrupt | AskStacks | Leave
-RankToKernel = Attach | Hello | Ready | Done | Pong | Fatal | Stream | Status | Stacks
+RankToKernel = Attach | Hello | Ready | Done | Pong | Fatal | Stream | Status | Stacks | Progress
 KernelToServer = SpawnCommand | SignalCommand | ExitCommand
 ServerToKernel = ServerHello | Spawned | Exited
