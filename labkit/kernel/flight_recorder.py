@@ -2,7 +2,7 @@
 side).
 
 torch records every collective of a process group in a ring buffer, its Flight Recorder, when
-`TORCH_FR_BUFFER_SIZE` is set before the group is made; labkit sets it on each rank (2000
+`TORCH_FR_BUFFER_SIZE` is set before the group is made; labkit sets it on each rank (200
 entries; `TORCH_FR_BUFFER_SIZE=0` in the kernel's environment before the lab starts turns it
 off). Between cells the kernel asks each rank for its entries (labkit.rank.flight_recorder):
 per collective its sequence number, op, group, state (`completed`, or `scheduled`: entered and

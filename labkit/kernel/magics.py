@@ -203,6 +203,8 @@ class LabMagics(Magics):
     def _lab_logs(self, args: argparse.Namespace) -> None:
         """Show the end of a rank's complete output, kept on disk (it survives a crash); with
         `--fr`, the last collectives torch's Flight Recorder saw each rank enter."""
+        if args.rank is None and not args.fr:
+            raise UsageError(f"%lab logs needs a RANK (or --fr)\n{_usage(self._lab_logs)}")
         lab = lab_module.current()
         if args.fr:
             ranks = None if args.rank is None else [args.rank]
@@ -212,8 +214,6 @@ class LabMagics(Magics):
                 raise UsageError(f"%lab logs: {exc}\n{_usage(self._lab_logs)}") from None
             print(flight_recorder(lab, ranks, args.lines or LAST))
             return
-        if args.rank is None:
-            raise UsageError(f"%lab logs needs a RANK (or --fr)\n{_usage(self._lab_logs)}")
         print(read_log(lab.log_dir, args.rank, lab.world_size, args.lines or 200), end="")
 
     @magic_arguments("lab stacks")
