@@ -37,7 +37,7 @@ def _dump() -> dict[str, Any]:
     except ImportError as exc:
         raise RuntimeError(
             f"this torch has no Flight Recorder dump (torch._C._distributed_c10d."
-            f"_dump_fr_trace_json: {exc}); it needs torch 2.6 or later"
+            f"_dump_fr_trace_json: {exc}); labkit reads it as torch 2.13 has it"
         ) from None
     return json.loads(_dump_fr_trace_json(True, False))
 

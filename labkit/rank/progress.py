@@ -175,5 +175,8 @@ def install(send: Callable[[Progress], None], cell: Callable[[], int | None]) ->
         if not any(isinstance(f, _Finder) for f in sys.meta_path):
             sys.meta_path.insert(0, _Finder())
         for name in LOADED:  # imported already: torch imports tqdm when it is installed
-            if name in sys.modules:
-                _patch(sys.modules[name])
+            if sys.modules.get(name) is not None:  # (None: an import that was blocked)
+                try:
+                    _patch(sys.modules[name])
+                except Exception as exc:  # noqa: BLE001 - an odd tqdm must not stop the rank
+                    print(f"labkit: tqdm bars stay as tqdm draws them: {exc}", file=sys.stderr)
