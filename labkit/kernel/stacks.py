@@ -23,6 +23,7 @@ from labkit.rank.flight_recorder import HEADER as FLIGHT_RECORDER
 
 STACKS_TIMEOUT = 5.0  # seconds `lab.stacks()` waits for the ranks by default
 STUCK_WAIT_S = 1.5  # seconds a stuck or stopped cell waits for the stacks before going on
+SHORT_FR = 2  # Flight Recorder entries per rank in a stuck cell's message (lab.stacks(): 4)
 
 
 class RankStacks(dict):
@@ -112,9 +113,14 @@ def _short_main(text: str) -> str:
     lines = main_thread(text).splitlines()[1:]
     if lines and lines[-1].lstrip().startswith("... ") and lines[-1].endswith("labkit frames"):
         lines.pop()
-    recorded = flight_recorder_part(text)
+    recorded = flight_recorder_part(text).splitlines()
     main = "\n".join(lines) or "    (idle: no cell running)"
-    return f"{main}\n  {recorded}" if recorded else main
+    if not recorded:
+        return main
+    head, *entries = recorded
+    if not entries:  # why there are none: nothing recorded yet, or the dump failed
+        return f"{main}\n  {head}"
+    return "\n".join([main, f"  {FLIGHT_RECORDER}, last entries:", *entries[-SHORT_FR:]])
 
 
 def stuck_text(stacks: RankStacks, when: str) -> str:
