@@ -158,7 +158,10 @@ class _Finder(importlib.abc.MetaPathFinder):
 
         def exec_module(module: Any) -> None:
             execute(module)
-            _patch(module)
+            try:
+                _patch(module)
+            except Exception as exc:  # noqa: BLE001 - the user's import must still work
+                print(f"labkit: tqdm bars stay as tqdm draws them: {exc}", file=sys.stderr)
 
         spec.loader.exec_module = exec_module  # type: ignore[method-assign]
         return spec
