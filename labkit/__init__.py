@@ -32,6 +32,7 @@ __all__ = [
     "show_comm",
     "save_trace",
     "profile",
+    "flight_recorder",
     "auto_split",
     "load_ipython_extension",
     "prewarm",
@@ -53,6 +54,7 @@ _LAZY = {
     "show_comm": "labkit.views",
     "save_trace": "labkit.views",
     "profile": "labkit.kernel.profiling",
+    "flight_recorder": "labkit.kernel.flight_recorder",
     "auto_split": "labkit.parallel.auto_split",
 }
 

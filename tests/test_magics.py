@@ -41,7 +41,7 @@ def test_lab_help_shows_every_command():
         ("start 2 --devcie cpu", r"unrecognized arguments: --devcie cpu"),
         ("start 0", r"world_size must be in \[1, "),  # checked by Lab, before it starts anything
         ("stop now", r"%lab stop: unrecognized arguments: now\nusage: %lab stop"),
-        ("logs", r"required: RANK"),
+        ("logs", r"%lab logs needs a RANK \(or --fr\)\nusage: %lab logs \[--lines N\] \[--fr\]"),
         ("logs 1 --lines 0", r"--lines: must be a whole number of at least 1, got '0'"),
         ("attach 2 --port 70000", r"--port: must be a port in \[0, 65535\], got '70000'"),
         ("attach 2 --nnodes 0", r"--nnodes: must be a whole number of at least 1"),

@@ -158,6 +158,7 @@ class CellRun:
         outcome.errors = {r: m["error"] for r, m in self.replies.items() if m.get("error")}
         if stuck is None:
             self.channel.catch_up_streams(self.replies)
+        self.channel.output.finish()  # the tqdm bars' final state stays in the output
         return outcome
 
     def _add_stacks(self, outcome: CellOutcome) -> None:

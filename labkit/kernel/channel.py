@@ -174,7 +174,7 @@ class Channel(Admission):
             if msg["type"] == "status":
                 msg["received"] = time.monotonic()
                 self.status[msg["rank"]] = msg
-            elif msg["type"] == "stream":
+            elif msg["type"] in ("stream", "progress"):  # output and tqdm bars, in order
                 self._post("stream", msg)
             elif msg["type"] == "stacks" and msg["id"] in self.stacks:
                 self.stacks[msg["id"]][msg["rank"]] = msg
@@ -342,7 +342,7 @@ class Channel(Admission):
             kind, *rest = self.events.popleft()
             if kind == "stream":
                 self._seen_seq[rest[0]["rank"]] = rest[0]["seq"]
-                self.output.show(rest[0])
+                self.output.show(rest[0])  # a `progress` goes to the call's bars
             elif kind == "exit":
                 rank, code = rest
                 raise Stuck(self.death_text(rank, code), died=rank)

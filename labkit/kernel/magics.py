@@ -4,6 +4,7 @@
 %lab attach N [--host H] [--port P] [--key-file F] [--nnodes K] [--rdzv HOST:PORT]
     [--allow NET ...] [--wait S]                                   ranks started by torchrun
 %lab status | %lab restart [N] | %lab stop | %lab logs RANK [--lines N]
+%lab logs --fr [RANK] [--lines N]   torch's Flight Recorder: the last collectives of each rank
 %lab stacks [RANKS] [--timeout S]   every rank's Python stacks now, idle or busy
 %lab debug RANK   pdb on the last exception a cell raised on RANK (breakpoint() in a cell, too)
 %lab run SCRIPT [ARGS...] [--timeout S before SCRIPT]   a torchrun script, unchanged, on every rank
@@ -27,6 +28,7 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
 
 from labkit.kernel import lab as lab_module
+from labkit.kernel.flight_recorder import LAST, flight_recorder
 from labkit.kernel.logs import read_tail
 from labkit.kernel.policy import BACKENDS, DEVICES
 from labkit.kernel.profiling import profile
@@ -196,12 +198,24 @@ class LabMagics(Magics):
         print("lab stopped")
 
     @magic_arguments("lab logs")
-    @argument("rank", type=int, metavar="RANK", help="whose output to show")
-    @argument("--lines", type=_count, default=200, metavar="N", help="how many (default: 200)")
+    @argument("rank", type=int, nargs="?", metavar="RANK", help="whose output (--fr: all ranks)")
+    @argument("--lines", type=_count, metavar="N", help="how many (default: 200; --fr: 20)")
+    @argument("--fr", action="store_true", help="torch's Flight Recorder: the last collectives")
     def _lab_logs(self, args: argparse.Namespace) -> None:
-        """Show the end of a rank's complete output, kept on disk (it survives a crash)."""
+        """Show the end of a rank's complete output, kept on disk (it survives a crash); with
+        `--fr`, the last collectives torch's Flight Recorder saw each rank enter."""
+        if args.rank is None and not args.fr:
+            raise UsageError(f"%lab logs needs a RANK (or --fr)\n{_usage(self._lab_logs)}")
         lab = lab_module.current()
-        print(read_log(lab.log_dir, args.rank, lab.world_size, args.lines), end="")
+        if args.fr:
+            ranks = None if args.rank is None else [args.rank]
+            try:
+                lab.ranks(ranks)
+            except ValueError as exc:
+                raise UsageError(f"%lab logs: {exc}\n{_usage(self._lab_logs)}") from None
+            print(flight_recorder(lab, ranks, args.lines or LAST))
+            return
+        print(read_log(lab.log_dir, args.rank, lab.world_size, args.lines or 200), end="")
 
     @magic_arguments("lab stacks")
     @argument("ranks", nargs="?", metavar="RANKS", help="all (default), or such as 0,2 or 1-3")

@@ -6,6 +6,10 @@ line that arrives in pieces is tagged once, and stdout and stderr keep their own
 At most `max_shown` characters per rank are shown in one call; past that a note points to
 `%lab logs r`, where the rank's complete output is kept. Everything shown is also kept per rank
 for `RankResult.output`.
+
+The ranks' tqdm bars arrive in the same sequence as their output (`progress` messages, see
+labkit.rank.progress) and are drawn by `labkit.views.progress_view.ProgressBars`, one per call,
+made at the call's first bar; `finish()` draws their final state when the call ends.
 """
 
 from __future__ import annotations
@@ -27,12 +31,26 @@ class RankOutput:
         self.kept: dict[int, list[str]] = {}
         self.line_start: dict[tuple[int, str], bool] = {}
         self.shown: dict[int, int] = {}
+        self.bars: Any = None  # the call's ProgressBars, from its first `progress`
+
+    def finish(self) -> None:
+        """The call ended: leave its bars' final state in the output."""
+        if self.bars is not None:
+            self.bars.finish()
 
     def of(self, rank: int) -> str:
         return "".join(self.kept.get(rank, []))
 
     def show(self, msg: dict[str, Any]) -> None:
-        """Print one `stream` message from a rank, tagged, within the per-call cap."""
+        """Print one `stream` message from a rank, tagged, within the per-call cap (or draw
+        a `progress` message's bar)."""
+        if msg.get("type") == "progress":
+            if self.bars is None:
+                from labkit.views.progress_view import ProgressBars
+
+                self.bars = ProgressBars()
+            self.bars.update(msg)
+            return
         rank, text, name = msg["rank"], msg["text"], msg["name"]
         shown = self.shown.get(rank, 0)
         self.shown[rank] = shown + len(text)
@@ -58,5 +76,9 @@ class RankOutput:
             tagged.append(piece)
             self.line_start[key] = piece.endswith(("\n", "\r"))
         out = sys.stderr if name == "stderr" else sys.stdout
+        if self.bars is not None:
+            self.bars.clear()  # a terminal's bars stay below the output
         out.write("".join(tagged))
         out.flush()
+        if self.bars is not None:
+            self.bars.redraw()

@@ -7,6 +7,8 @@ named as such, a dead rank says it is dead. Nothing here takes the lab's lock or
 ctrl socket, so `lab.stacks()` may be called from another thread while a cell runs.
 
 `RankStacks` is {rank: text}; it prints (and shows in a notebook) as one section per rank.
+When torch's Flight Recorder is on (labkit turns it on), each rank's text ends with the last
+collectives it entered, and a stuck cell's message shows them under each rank's stack.
 """
 
 from __future__ import annotations
@@ -17,9 +19,11 @@ from collections.abc import Iterable
 from typing import Any
 
 from labkit.kernel.results import LabError
+from labkit.rank.flight_recorder import HEADER as FLIGHT_RECORDER
 
 STACKS_TIMEOUT = 5.0  # seconds `lab.stacks()` waits for the ranks by default
 STUCK_WAIT_S = 1.5  # seconds a stuck or stopped cell waits for the stacks before going on
+SHORT_FR = 2  # Flight Recorder entries per rank in a stuck cell's message (lab.stacks(): 4)
 
 
 class RankStacks(dict):
@@ -95,13 +99,28 @@ def lab_stacks(lab: Any, ranks: Any, timeout: float) -> RankStacks:
     return collect(lab.channel, lab.ranks(ranks), timeout)
 
 
+def flight_recorder_part(text: str) -> str:
+    """The Flight Recorder's lines at the end of a rank's stacks text (labkit.rank.stacks),
+    or "" when the rank sent none (the recorder is off)."""
+    at = text.find("\n" + FLIGHT_RECORDER)
+    return text[at + 1 :] if at >= 0 else ""
+
+
 def _short_main(text: str) -> str:
     """A message's form of a rank's stacks: its main thread's frames only, without the header
-    and the request loop's frames every cell starts from (`... 9 labkit frames`, last)."""
+    and the request loop's frames every cell starts from (`... 9 labkit frames`, last), then
+    the last collectives torch's Flight Recorder saw the rank enter, if it is on."""
     lines = main_thread(text).splitlines()[1:]
     if lines and lines[-1].lstrip().startswith("... ") and lines[-1].endswith("labkit frames"):
         lines.pop()
-    return "\n".join(lines) or "    (idle: no cell running)"
+    recorded = flight_recorder_part(text).splitlines()
+    main = "\n".join(lines) or "    (idle: no cell running)"
+    if not recorded:
+        return main
+    head, *entries = recorded
+    if not entries:  # why there are none: nothing recorded yet, or the dump failed
+        return f"{main}\n  {head}"
+    return "\n".join([main, f"  {FLIGHT_RECORDER}, last entries:", *entries[-SHORT_FR:]])
 
 
 def stuck_text(stacks: RankStacks, when: str) -> str:

@@ -24,6 +24,7 @@ import socket
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
+from labkit.rank import flight_recorder
 from labkit.wire.config import RankConfig
 
 
@@ -80,6 +81,7 @@ def join(cfg: RankConfig, store: Any, port: int | None) -> Any:
     """Form the default process group; returns the store the rank keeps (None if attached)."""
     import torch.distributed as dist
 
+    flight_recorder.enable()  # torch records the group's collectives (lab.stacks shows them)
     timeout = datetime.timedelta(seconds=cfg.pg_timeout)
     if cfg.attached:  # torchrun formed the rendezvous: join it as a script would
         dist.init_process_group(

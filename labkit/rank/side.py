@@ -29,7 +29,7 @@ from typing import Any
 import zmq
 
 from labkit.rank import stacks, trace
-from labkit.wire.messages import Stacks, Status, Stream
+from labkit.wire.messages import RankToKernel, Stacks, Status
 
 HEARTBEAT_IDLE = 1.0
 HEARTBEAT_BUSY = 0.25
@@ -103,10 +103,10 @@ class SideChannel:
             self.stopped_at = time.monotonic()
             signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
 
-    def send_side(self, msg: Stream | Status | Stacks) -> None:
+    def send_side(self, msg: RankToKernel) -> None:  # stream, status, stacks, progress
         msg.update(rank=self.rank, gen=self.gen)
         with self.side_lock:
-            if msg["type"] == "stream":
+            if msg["type"] in ("stream", "progress"):  # one numbering: `done` follows both
                 self.stream_seq += 1
                 msg["seq"] = self.stream_seq
             self.side.send_multipart(self.codec.encode(msg, shared=False), copy=False)

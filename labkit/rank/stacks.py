@@ -8,7 +8,8 @@ rank's own machinery (labkit.rank and labkit.wire: the request loop, the comm tr
 folded into one line such as `... 4 labkit frames`. The frames every thread starts with
 (runpy, threading's bootstrap) are left out; so are threads that run only labkit's machinery
 (`labkit-heartbeat`, the output capture), named at the end, and an idle main thread's frames
-(it waits in labkit's request loop).
+(it waits in labkit's request loop). When torch's Flight Recorder is on (labkit turns it on:
+labkit.rank.flight_recorder), the last collectives the rank entered follow the threads.
 
 This module never imports IPython, ipywidgets or plotly.
 """
@@ -23,6 +24,7 @@ import traceback
 from types import FrameType
 
 import labkit
+from labkit.rank import flight_recorder
 
 _PACKAGE = os.path.dirname(os.path.abspath(labkit.__file__))
 _ROOT = os.path.dirname(_PACKAGE)
@@ -132,4 +134,7 @@ def _snapshot(busy: int | None) -> tuple[str, str | None]:
         service.append(names.get(me, "labkit-heartbeat"))
     text.append(f"(labkit's own threads left out: {', '.join(sorted(service))})")
     del frames
+    recorded = flight_recorder.tail_text()  # the last collectives this rank entered, if on
+    if recorded:
+        text.append(recorded)
     return "\n".join(text), where

@@ -35,7 +35,7 @@ from typing import Any
 
 import zmq
 
-from labkit.rank import debugger, process_group, trace
+from labkit.rank import debugger, process_group, progress, trace
 from labkit.rank.capture import Capture
 from labkit.rank.side import SideChannel
 from labkit.rank.user_code import (
@@ -122,6 +122,7 @@ class Rank(SideChannel):
         builtins.input = no_input
         sys.breakpointhook = debugger.breakpoint_hook(self)
         signal.signal(signal.SIGINT, self._on_sigint)
+        progress.install(self.send_side, lambda: self.busy_cell)  # tqdm bars: to the kernel
         threading.Thread(target=self._heartbeat, name="labkit-heartbeat", daemon=True).start()
         import torch
         import torch.distributed as dist

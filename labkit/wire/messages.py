@@ -31,6 +31,7 @@ between the kernel and its fork server, as one JSON object per line over the ser
 | ctrl        | kernel -> rank | `Debug`         | open pdb on the rank's last exception           |
 | ctrl        | rank -> kernel | `DebugPrompt`   | pdb's output and prompt: the rank waits ...     |
 | ctrl        | kernel -> rank | `DebugInput`    | ... for the line the user typed (None: end)     |
+| side        | rank -> kernel | `Progress`      | a tqdm bar's state (labkit.rank.progress)       |
 | server pipe | kernel -> srv  | `SpawnCommand`  | fork one rank with this `RankConfig`            |
 | server pipe | kernel -> srv  | `SignalCommand` | signal ranks the server forked                  |
 | server pipe | kernel -> srv  | `ExitCommand`   | kill the ranks and leave                        |
@@ -223,7 +224,7 @@ class Done(_Done, total=False):
     display: DisplayInfo  # exec only, when there is a value and display was asked
     duration: float  # exec only: seconds the cell ran
     t_end: float  # exec only: when it ended, on the rank's clock
-    stream_seq: int  # exec only: the last Stream.seq sent before this reply
+    stream_seq: int  # exec only: the last Stream (or Progress) seq sent before this reply
     progress: dict[str, Any]  # exec only: the tracer's progress (see Status.progress)
 
 
@@ -305,6 +306,32 @@ class DebugInput(TypedDict):
     line: str | None
 
 
+# -- rank -> kernel, side socket: progress bars (labkit.rank.progress) -------------------------
+
+
+class _Progress(FromRank):
+    """A tqdm bar's state, sent at most every 0.1 s per bar and when it closes. Numbered in
+    the rank's output sequence (`seq`, as `Stream`), so a `done` follows its last state."""
+
+    type: Literal["progress"]
+    bar: int  # 1, 2, ... per rank process: which bar
+    cell: int | None  # the cell running when it was sent
+    n: float  # tqdm's counter
+    total: float | None  # None: unknown
+    desc: str
+    unit: str
+    unit_scale: bool | float  # tqdm's own argument (the kernel formats with it)
+    rate: float | None  # units per second (tqdm's smoothed rate), None before it is known
+    elapsed: float  # seconds since the bar started
+    postfix: str  # set_postfix's text
+    leave: bool  # whether the bar stays once closed (tqdm's `leave`)
+    closed: bool  # the final state
+
+
+class Progress(_Progress, total=False):
+    seq: int  # added by send_side(), in the same numbering as `Stream.seq`
+
+
 # -- the fork server's pipes: JSON lines --------------------------------------------------------
 
 
@@ -357,6 +384,8 @@ class Exited(TypedDict):
 _KernelToRankCtrl = Init | Exec | Pull | Push | Trace | Ping | Exit | Welcome | Refused
 _Debugger = Debug | DebugInput
 KernelToRank = _KernelToRankCtrl | Interrupt | AskStacks | Leave | _Debugger
-RankToKernel = Attach | Hello | Ready | Done | Pong | Fatal | Stream | Status | Stacks | DebugPrompt
+RankToKernel = (
+    Attach | Hello | Ready | Done | Pong | Fatal | Stream | Status | Stacks | DebugPrompt | Progress
+)
 KernelToServer = SpawnCommand | SignalCommand | ExitCommand
 ServerToKernel = ServerHello | Spawned | Exited

@@ -1,0 +1,89 @@
+"""torch's Flight Recorder on a rank: its recent collectives, as plain dicts (rank side).
+
+torch records each collective of a process group in a ring buffer (the Flight Recorder) when
+`TORCH_FR_BUFFER_SIZE` is set before the group is made; `enable()` sets it (unless the user set
+it: `TORCH_FR_BUFFER_SIZE=0` turns it off) before the lab's group is formed. `entries()` dumps
+it through torch's private `torch._C._distributed_c10d._dump_fr_trace_json` (checked on torch
+2.13 with gloo); where that is missing, it says why instead of failing. `tail_text()` is what a
+rank adds to its stacks (labkit.rank.stacks), so `lab.stacks()` and a stuck cell's message show
+the last collectives each rank entered, read by the heartbeat thread while the main thread
+waits in one.
+
+This module never imports IPython, ipywidgets or plotly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+# entries torch keeps per process (a ring: the oldest go first); a dump of 200 takes ~2 ms,
+# of 2000 ~50 ms (on the heartbeat thread, holding the GIL), so the ring stays small
+BUFFER = "200"
+ENV = "TORCH_FR_BUFFER_SIZE"
+TAIL = 4  # entries a rank's stacks show
+HEADER = "Flight Recorder (torch)"  # the line the kernel finds them by (labkit.kernel.stacks)
+
+
+def enable() -> None:
+    """Ask torch to record collectives (call before the process group is made)."""
+    os.environ.setdefault(ENV, BUFFER)
+
+
+def _dump() -> dict[str, Any]:
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace_json
+    except ImportError as exc:
+        raise RuntimeError(
+            f"this torch has no Flight Recorder dump (torch._C._distributed_c10d."
+            f"_dump_fr_trace_json: {exc}); labkit reads it as torch 2.13 has it"
+        ) from None
+    return json.loads(_dump_fr_trace_json(True, False))
+
+
+def _entry(e: dict[str, Any]) -> dict[str, Any]:
+    started, done = e.get("time_discovered_started_ns"), e.get("time_discovered_completed_ns")
+    return {
+        "seq": e.get("collective_seq_id") if not e.get("is_p2p") else e.get("p2p_seq_id"),
+        "op": str(e.get("profiling_name", "?")).split(":", 1)[-1],
+        "group": (e.get("process_group") or ["?", "?"])[1],
+        "state": "completed" if e.get("retired") else e.get("state", "?"),
+        "input_sizes": e.get("input_sizes"),
+        "output_sizes": e.get("output_sizes"),
+        "dtypes": e.get("input_dtypes"),
+        "duration_ms": e.get("duration_ms"),  # measured on GPUs (CUDA events), None with gloo
+        "created_ns": e.get("time_created_ns"),
+        "run_ms": (done - started) / 1e6 if started and done else None,
+    }
+
+
+def entries(last: int | None = None) -> list[dict[str, Any]] | str:
+    """The recorded collectives, oldest first (the `last` ones), or why there are none."""
+    if os.environ.get(ENV, "0") in ("", "0"):
+        return f"the Flight Recorder is off on this rank ({ENV} is not set, or 0)"
+    try:
+        raw = _dump().get("entries", [])
+    except Exception as exc:  # noqa: BLE001 - a private API: say what went wrong, never fail
+        return f"the Flight Recorder could not be read: {type(exc).__name__}: {exc}"
+    got = [_entry(e) for e in raw]
+    return got[-last:] if last else got
+
+
+def entry_text(e: dict[str, Any]) -> str:
+    """One entry as a line: "#12 all_reduce on default_pg: scheduled, in [[4]] float"."""
+    dtypes = ",".join(sorted(set(e.get("dtypes") or []))).lower() or "-"
+    took = f", {e['duration_ms']:.3f} ms" if e.get("duration_ms") else ""
+    state = f"{e['state']}, in {e['input_sizes']} {dtypes}{took}"
+    return f"#{e['seq']} {e['op']} on {e['group']}: {state}"
+
+
+def tail_text(last: int = TAIL) -> str:
+    """The last `last` collectives as lines for a rank's stacks, "" when the recorder is off."""
+    got = entries(last)
+    if isinstance(got, str):
+        return "" if "is off" in got else f"{HEADER}: {got}"
+    if not got:
+        return f"{HEADER}: no collective yet"
+    lines = "\n".join(f"    {entry_text(e)}" for e in got)
+    return f"{HEADER}, last {len(got)} collectives, oldest first:\n{lines}"

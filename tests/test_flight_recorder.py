@@ -1,0 +1,134 @@
+"""torch's Flight Recorder through labkit: `labkit.flight_recorder(lab)`, `%lab logs --fr`, and
+the last collectives in `lab.stacks()` and in a stuck cell's message (2 CPU ranks, gloo; idle
+and loaded)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from IPython.core.error import UsageError
+
+import labkit
+from labkit import LabError
+from labkit.kernel.magics import LabMagics
+from labkit.rank import flight_recorder as on_rank
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.fixture(scope="module")
+def lab(load):  # conftest's `load`: every test runs on a quiet CPU, then on a saturated one
+    lab = labkit.Lab(2, device="cpu")
+    yield lab
+    lab.stop()
+
+
+def _last_seq(lab):
+    got = labkit.flight_recorder(lab, last=1)
+    return {r: (e[-1]["seq"] if e else 0) for r, e in got.items()}
+
+
+def test_each_rank_lists_its_recent_collectives_between_cells(lab, capsys):
+    before = _last_seq(lab)
+    lab.run("t = torch.ones(4)\nfor _ in range(3): dist.all_reduce(t)\ndist.broadcast(t, 0)")
+    got = labkit.flight_recorder(lab, last=4)
+    assert sorted(got) == [0, 1]
+    for r, entries in got.items():
+        assert [e["op"] for e in entries] == ["all_reduce"] * 3 + ["broadcast"]
+        assert [e["seq"] for e in entries] == [before[r] + i for i in range(1, 5)]
+        assert all(e["state"] == "completed" and e["input_sizes"] == [[4]] for e in entries)
+        assert all(e["group"] == "default_pg" for e in entries)
+    text = str(got)
+    assert text.startswith("--- rank 0 ---\n")
+    assert f"#{before[0] + 4} broadcast on default_pg" in text
+    assert sorted(labkit.flight_recorder(lab, ranks="1", last=2)) == [1]
+    with pytest.raises(ValueError, match="last must be a whole number of at least 1"):
+        labkit.flight_recorder(lab, last=0)
+
+    magics = LabMagics(shell=None)
+    magics.lab("logs --fr --lines 1")
+    shown = capsys.readouterr().out
+    assert f"#{before[1] + 4} broadcast" in shown and "--- rank 1 ---" in shown
+    assert shown.count("broadcast") == 2 and "all_reduce" not in shown
+    with pytest.raises(UsageError, match="needs a RANK"):
+        magics.lab("logs")
+    with pytest.raises(UsageError, match="out of range"):
+        magics.lab("logs 5 --fr")
+
+
+def test_the_stacks_show_rank_0_inside_all_reduce_n_while_rank_1_never_called_it(lab, tmp_path):
+    flag = str(tmp_path / "go")
+    seq = _last_seq(lab)[0] + 1
+    entered = f"#{seq} all_reduce on default_pg: scheduled"
+    found = []
+
+    def poll():  # from a thread while the cell runs, as a notebook user would
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not found:
+            stacks = lab.stacks(timeout=10)
+            if entered in stacks[0]:
+                found.append(stacks)
+            time.sleep(0.05)
+        open(flag, "w").close()  # then rank 1 joins, and the cell ends normally
+
+    thread = threading.Thread(target=poll, daemon=True)
+    thread.start()
+    res = lab.run(
+        "import os, time\nt = torch.ones(2)\n"
+        f"if rank == 1:\n    while not os.path.exists({flag!r}):\n        time.sleep(0.02)\n"
+        "dist.all_reduce(t)\nt"
+    )
+    thread.join()
+    assert all(r.error is None for r in res.values())
+    assert found, "rank 0's Flight Recorder never showed it inside the all_reduce"
+    stacks = found[0]
+    assert "Flight Recorder (torch), last" in stacks[1]
+    assert f"#{seq - 1} " in stacks[1] and f"#{seq} " not in stacks[1]  # rank 1 never entered
+    after = labkit.flight_recorder(lab, last=1)  # both completed it once rank 1 came
+    assert all(e[-1]["seq"] == seq and e[-1]["state"] == "completed" for e in after.values())
+
+
+def test_a_stuck_cell_says_which_collective_rank_0_entered(lab):
+    seq = _last_seq(lab)[0] + 1
+    with pytest.raises(LabError) as err:
+        lab.run("t = torch.ones(3)\nif rank == 0:\n    dist.all_reduce(t)")
+    text = str(err.value)
+    assert f"rank 0 waits in all_reduce #{seq}" in text  # the watchdog's verdict
+    if "no answer within" not in text:  # a saturated machine may leave the stacks out
+        assert "Flight Recorder (torch), last" in text
+        assert f"#{seq} all_reduce on default_pg: scheduled, in [[3]] float" in text
+    lab.run("x = 1")  # the ranks were restarted; the lab goes on
+
+
+def test_entries_say_why_when_the_recorder_is_off_or_missing(monkeypatch):
+    monkeypatch.setenv(on_rank.ENV, "0")
+    assert "is off" in on_rank.entries() and on_rank.tail_text() == ""
+    monkeypatch.setenv(on_rank.ENV, "2000")
+
+    def missing():
+        raise RuntimeError("this torch has no Flight Recorder dump")
+
+    monkeypatch.setattr(on_rank, "_dump", missing)
+    assert "could not be read: RuntimeError: this torch has no" in on_rank.entries()
+    assert on_rank.tail_text().startswith("Flight Recorder (torch): the Flight Recorder could")
+
+
+def test_an_entry_reads_as_one_line():
+    raw = {
+        "collective_seq_id": 7,
+        "p2p_seq_id": 0,
+        "is_p2p": False,
+        "profiling_name": "gloo:all_reduce",
+        "process_group": ["0", "default_pg"],
+        "state": "scheduled",
+        "retired": False,
+        "input_sizes": [[4]],
+        "output_sizes": [[4]],
+        "input_dtypes": ["Float"],
+    }
+    line = on_rank.entry_text(on_rank._entry(raw))
+    assert line == "#7 all_reduce on default_pg: scheduled, in [[4]] float"
+    done = on_rank._entry(dict(raw, retired=True, duration_ms=1.5))
+    assert on_rank.entry_text(done).endswith("completed, in [[4]] float, 1.500 ms")
