@@ -133,9 +133,13 @@ def test_a_rank_reuses_a_segment_only_once_the_kernel_freed_what_it_mapped():
         del got
         gc.collect()
         assert all(n.endswith(shm.FREE) for n in os.listdir(directory))
+        kept = kernel.decode(rank.encode({"v": a * 5}))["v"]
     finally:
         shm.remove(directory)
     assert not os.path.exists(directory)
+    assert torch.equal(kept, a * 5)  # the mapping outlives the lab's directory (a stop)
+    del kept
+    gc.collect()  # giving back a segment whose directory is gone is quiet
 
 
 def test_a_segment_outside_a_lab_directory_is_refused(tmp_path):

@@ -147,8 +147,11 @@ class Pool:
             os.close(fd)
 
 
-def _give_back(path: str) -> None:
-    """The kernel's last tensor on a recycled segment is gone: the rank may write it again."""
+def _give_back(path: str, pid: int) -> None:
+    """The kernel's last tensor on a recycled segment is gone: the rank may write it again.
+    Only the process that mapped it gives it back (not a forked child freeing its copy)."""
+    if os.getpid() != pid:
+        return
     try:
         os.rename(path, path + FREE)
     except OSError:  # swept at a restart, or the lab stopped
@@ -173,7 +176,7 @@ def read(path: str, nbytes: int, unlink: bool = True, recycle: bool = False) -> 
     finally:
         os.close(fd)
     if recycle:  # when every tensor (and view) on the mapping is gone, and it is unmapped
-        weakref.finalize(buf, _give_back, path).atexit = False
+        weakref.finalize(buf, _give_back, path, os.getpid()).atexit = False
     return buf
 
 
