@@ -3,6 +3,7 @@ nothing is left in /dev/shm after a stop, a rank killed mid-pull, or a kernel ki
 
 from __future__ import annotations
 
+import gc
 import glob
 import os
 import stat
@@ -95,6 +96,52 @@ def test_codec_sends_only_the_segment_path_and_the_receiver_unlinks_it():
     assert not os.path.exists(directory)
 
 
+def test_a_rank_reuses_a_segment_only_once_the_kernel_freed_what_it_mapped():
+    directory = shm.new_dir()
+    try:
+        key = new_key()
+        rank, kernel = Codec(key, directory, recycle=True), Codec(key, directory)
+        a = torch.randn(1 << 19)  # 2 MiB
+        first = kernel.decode(rank.encode({"v": a}))["v"]
+        view = first[: 1 << 10]  # a view keeps the mapping too
+        (path,) = (os.path.join(directory, n) for n in os.listdir(directory))
+        second = kernel.decode(rank.encode({"v": a * 2}))["v"]
+        assert len(os.listdir(directory)) == 2, "a segment the kernel still maps was reused"
+        del first
+        gc.collect()
+        third = kernel.decode(rank.encode({"v": a * 3}))["v"]
+        assert len(os.listdir(directory)) == 3, "a segment under a live view was reused"
+        assert torch.equal(view, a[: 1 << 10]) and torch.equal(second, a * 2)
+        del view
+        gc.collect()
+        assert os.path.exists(path + shm.FREE)  # given back: the rank may write it again
+        second.add_(1)  # the kernel's writes stay its own (copy-on-write)
+        fourth = kernel.decode(rank.encode({"v": a * 4}))["v"]
+        assert sorted(os.listdir(directory)) == sorted(
+            os.path.basename(p) for p in rank.pool.owned
+        ), "a freed segment was not reused"
+        assert torch.equal(fourth, a * 4) and torch.equal(third, a * 3)
+        assert torch.equal(second, a * 2 + 1)
+        # a bigger tensor grows a free segment; past the pool's limit segments are unlinked
+        del second, third, fourth
+        gc.collect()
+        rank.pool.limit = 8 << 20
+        big = torch.arange(1 << 20, dtype=torch.float64)  # 8 MiB
+        got = kernel.decode(rank.encode({"v": big, "w": big + 1}))
+        assert torch.equal(got["v"], big) and torch.equal(got["w"], big + 1)
+        assert rank.pool.used() <= 8 << 20
+        del got
+        gc.collect()
+        assert all(n.endswith(shm.FREE) for n in os.listdir(directory))
+        kept = kernel.decode(rank.encode({"v": a * 5}))["v"]
+    finally:
+        shm.remove(directory)
+    assert not os.path.exists(directory)
+    assert torch.equal(kept, a * 5)  # the mapping outlives the lab's directory (a stop)
+    del kept
+    gc.collect()  # giving back a segment whose directory is gone is quiet
+
+
 def test_a_segment_outside_a_lab_directory_is_refused(tmp_path):
     outside = tmp_path / "x"
     outside.write_bytes(b"\0" * 64)
@@ -113,7 +160,13 @@ def test_pull_and_push_keep_dtype_values_and_flags_and_leave_nothing():
             got = lab.pull(name)
             for r in (0, 1):
                 same(got[r], expected(r)[name].contiguous())
-        assert os.listdir(directory) == []
+        del got
+        gc.collect()
+        # what the ranks sent is kept for reuse (given back once the kernel freed it), bounded
+        left = os.listdir(directory)
+        assert all(name.endswith(shm.FREE) for name in left), left
+        held = sum(os.path.getsize(os.path.join(directory, name)) for name in left)
+        assert 0 < held <= 2 * shm.POOL_BYTES
         want = expected(5)
         lab.push(a=want["bf"].t().requires_grad_(), b=want["param"], c=want["big"])
         seeded = MAKE.replace("manual_seed(rank)", "manual_seed(5)")
@@ -130,7 +183,7 @@ def test_pull_and_push_keep_dtype_values_and_flags_and_leave_nothing():
         assert lab.pull("float(a.float().sum() / (rank + 2))")[1] == pytest.approx(
             want["bf"].float().sum().item(), rel=1e-2
         )
-        assert os.listdir(directory) == []
+        assert sorted(os.listdir(directory)) == sorted(left), "a pushed segment was left"
     finally:
         lab.stop()
     assert not os.path.exists(directory)

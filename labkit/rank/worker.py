@@ -75,7 +75,7 @@ class Rank(SideChannel):
         self.cfg = cfg
         self.rank = cfg.rank
         self.gen = cfg.gen
-        self.codec = Codec(cfg.key, cfg.shm_dir)
+        self.codec = Codec(cfg.key, cfg.shm_dir, recycle=True)  # its one receiver: the kernel
         self.ctx = zmq.Context()
         self.ctrl = self._connect(cfg.ctrl)
         self.side = self._connect(cfg.side)

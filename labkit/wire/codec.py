@@ -22,7 +22,8 @@ A message is a dict. On the wire it is a ZeroMQ multipart message:
 A large tensor (`labkit.wire.shm.MIN_BYTES` or more) in a message to one receiver on the same
 machine travels through a shared-memory segment instead of a frame, when the codec has a
 segment directory (forked labs): only the segment's path is in the signed header
-(`labkit.wire.shm`).
+(`labkit.wire.shm`). A codec with a `pool` (a rank's) reuses its segments once the receiver
+has freed them (`shm.Pool`).
 
 Every message has a `type`; the messages and their fields are defined once, in
 `labkit.wire.messages`.
@@ -88,11 +89,17 @@ class _Pickler(cloudpickle.Pickler):
     """
 
     def __init__(
-        self, *args: Any, shm_dir: str | None = None, kept: list[str] | None = None, **kwargs: Any
+        self,
+        *args: Any,
+        shm_dir: str | None = None,
+        kept: list[str] | None = None,
+        pool: shm.Pool | None = None,
+        **kwargs: Any,
     ):
         super().__init__(*args, **kwargs)
         self.shm_dir = shm_dir
         self.kept = kept  # given: the segments are the sender's to unlink (several receivers)
+        self.pool = pool if kept is None else None  # given: segments are reused (one receiver)
 
     def reducer_override(self, obj: Any) -> Any:
         torch = _torch_if_loaded()
@@ -108,24 +115,21 @@ class _Pickler(cloudpickle.Pickler):
             nbytes = t.numel() * t.element_size()
             if self.shm_dir is not None and nbytes >= shm.MIN_BYTES:
                 raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+                recycle = False
                 try:
-                    path = shm.write(self.shm_dir, raw)
+                    if self.pool is not None:
+                        path, recycle = self.pool.write(self.shm_dir, raw)
+                    else:
+                        path = shm.write(self.shm_dir, raw)
                 except OSError:  # /dev/shm full or gone: the socket still works
                     path = None
                 if path is not None:
                     if self.kept is not None:
                         self.kept.append(path)
                     unlink = self.kept is None
-                    args = (
-                        path,
-                        nbytes,
-                        dtype,
-                        tuple(t.shape),
-                        obj.requires_grad,
-                        is_param,
-                        unlink,
-                    )
-                    return shm.rebuild_tensor, args
+                    shape = tuple(t.shape)
+                    args = (path, nbytes, dtype, shape, obj.requires_grad, is_param, unlink)
+                    return shm.rebuild_tensor, (*args, recycle) if recycle else args
             raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
             buf = pickle.PickleBuffer(raw) if t.numel() else b""
             return _rebuild_tensor, (buf, dtype, tuple(t.shape), obj.requires_grad, is_param)
@@ -141,11 +145,16 @@ def _torch_if_loaded() -> Any:
 
 
 def dumps(
-    obj: Any, shm_dir: str | None = None, kept: list[str] | None = None
+    obj: Any,
+    shm_dir: str | None = None,
+    kept: list[str] | None = None,
+    pool: shm.Pool | None = None,
 ) -> tuple[bytes, list[pickle.PickleBuffer]]:
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
-    _Pickler(out, protocol=5, buffer_callback=buffers.append, shm_dir=shm_dir, kept=kept).dump(obj)
+    _Pickler(
+        out, protocol=5, buffer_callback=buffers.append, shm_dir=shm_dir, kept=kept, pool=pool
+    ).dump(obj)
     return out.getvalue(), buffers
 
 
@@ -153,14 +162,16 @@ class Codec:
     """Signs and verifies messages with one lab's key.
 
     `shm_dir`: the lab's shared-memory directory (`shm.new_dir()`), or None to send every
-    tensor through the socket (ranks on other machines).
+    tensor through the socket (ranks on other machines). `recycle`: reuse segments the one
+    receiver has freed (a rank's codec: its receiver is the kernel; `shm.Pool`).
     """
 
-    def __init__(self, key: bytes, shm_dir: str | None = None):
+    def __init__(self, key: bytes, shm_dir: str | None = None, recycle: bool = False):
         if len(key) < 16:
             raise ValueError(f"key must be at least 16 bytes, got {len(key)}")
         self.key = key
         self.shm_dir = shm_dir
+        self.pool = shm.Pool() if recycle else None
         self._lock = threading.Lock()
         self._pid = 0
         self._sender = b""
@@ -207,7 +218,7 @@ class Codec:
         """Sign and frame `msg`. `shared`: large tensors may go through shared memory; the
         receiver unlinks each segment when it maps it, unless `kept` is given: then the paths
         are appended to it, for the sender to unlink once every receiver has replied."""
-        header, buffers = dumps(msg, self.shm_dir if shared else None, kept)
+        header, buffers = dumps(msg, self.shm_dir if shared else None, kept, self.pool)
         frames: list[Any] = [header, *(b.raw() for b in buffers)]
         return [self._sign(frames, self._nonce()), *frames]
 

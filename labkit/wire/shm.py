@@ -10,6 +10,14 @@ receiver), and the memory goes back to the system when the tensor is freed. A re
 kernel sends to several ranks writes each tensor once: every rank maps the same file (its
 writes stay its own), and the kernel unlinks it once every rank has replied (`release`).
 
+Segments a rank sends to the kernel are recycled: writing into fresh tmpfs pages, and freeing
+them, costs several times a copy (page allocation), so each rank keeps up to `POOL_BYTES` of
+segments (a `Pool`). The kernel maps such a segment without unlinking it; when the last tensor
+using the mapping is freed, it renames the file to `<name>.free`, and the rank takes it back by
+renaming it again (atomic: a segment is either the kernel's or the rank's) and writes the next
+tensor into its pages. A segment is never written while the kernel maps it, so a tensor the
+kernel keeps never changes under it.
+
 Nothing is left in /dev/shm: a file whose message was never received (its sender or receiver
 died, or the message was dropped) lies in the lab's directory, which the kernel empties at each
 restart and removes at stop, and which the fork server removes when the kernel dies
@@ -24,11 +32,14 @@ import secrets
 import shutil
 import tempfile
 import warnings
+import weakref
 from typing import Any
 
 ROOT = "/dev/shm"
 PREFIX = "labkit-shm-"
 MIN_BYTES = 1 << 20  # smaller tensors go through the socket: a file costs more than it saves
+POOL_BYTES = 64 << 20  # segments one rank keeps for reuse (the rest are unlinked when mapped)
+FREE = ".free"  # suffix of a recycled segment that the kernel no longer maps
 
 
 def new_dir() -> str | None:
@@ -89,22 +100,84 @@ def write(directory: str, raw: memoryview) -> str:
     return path
 
 
-def read(path: str, nbytes: int, unlink: bool = True) -> mmap.mmap:
-    """Open, unlink (unless the sender will: a message to several ranks) and map
-    (copy-on-write) a segment that a signed message named."""
+class Pool:
+    """The segments one sender (a rank) reuses: `write` fills a free one when it can."""
+
+    def __init__(self, limit: int = POOL_BYTES):
+        self.limit = limit
+        self.owned: dict[str, tuple[int, mmap.mmap]] = {}  # path -> (size, shared mapping)
+
+    def write(self, directory: str, raw: memoryview) -> tuple[str, bool]:
+        """Write `raw` into a segment; returns its path and whether the receiver gives it back
+        (`recycle`) rather than unlinking it."""
+        nbytes = raw.nbytes
+        for path, (size, mm) in sorted(self.owned.items(), key=lambda kv: kv[1][0] != nbytes):
+            if size < nbytes and self.used() - size + nbytes > self.limit:
+                continue
+            try:
+                os.rename(path + FREE, path)  # taken back: the kernel no longer maps it
+            except OSError:
+                continue  # still in use (or swept)
+            if size != nbytes:
+                mm = self._map(path, nbytes)
+            mm[:nbytes] = raw
+            self.owned[path] = (nbytes, mm)
+            return path, True
+        path = write(directory, raw)
+        if self.used() + nbytes > self.limit:
+            return path, False
+        try:
+            self.owned[path] = (nbytes, self._map(path, nbytes))
+        except OSError:
+            return path, False
+        return path, True
+
+    def used(self) -> int:
+        return sum(size for size, _ in self.owned.values())
+
+    def _map(self, path: str, nbytes: int) -> mmap.mmap:
+        old = self.owned.pop(path, None)
+        if old is not None:
+            old[1].close()
+        fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
+        try:
+            os.ftruncate(fd, nbytes)
+            return mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+
+
+def _give_back(path: str, pid: int) -> None:
+    """The kernel's last tensor on a recycled segment is gone: the rank may write it again.
+    Only the process that mapped it gives it back (not a forked child freeing its copy)."""
+    if os.getpid() != pid:
+        return
+    try:
+        os.rename(path, path + FREE)
+    except OSError:  # swept at a restart, or the lab stopped
+        pass
+
+
+def read(path: str, nbytes: int, unlink: bool = True, recycle: bool = False) -> mmap.mmap:
+    """Open, unlink (unless the sender will: a message to several ranks, or a segment to give
+    back) and map (copy-on-write) a segment that a signed message named. `recycle`: rename it
+    for its sender to reuse once the mapping is freed."""
     directory = os.path.dirname(path)
     if not is_lab_dir(directory) or os.path.basename(path) in ("", ".", ".."):
         raise ValueError(f"not a labkit shared-memory segment: {path!r}")
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        if unlink:
+        if unlink and not recycle:
             os.unlink(path)  # the mapping keeps the memory; the name goes at once
         size = os.fstat(fd).st_size
         if size != nbytes:
             raise ValueError(f"segment {path} holds {size} bytes, the message said {nbytes}")
-        return mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
+        buf = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
+    if recycle:  # when every tensor (and view) on the mapping is gone, and it is unmapped
+        weakref.finalize(buf, _give_back, path, os.getpid()).atexit = False
+    return buf
 
 
 def rebuild_tensor(
@@ -115,11 +188,12 @@ def rebuild_tensor(
     requires_grad: bool,
     is_param: bool,
     unlink: bool = True,
+    recycle: bool = False,
 ) -> Any:
     """The receiver's half (called while a verified message is unpickled)."""
     import torch
 
-    buf = read(path, nbytes, unlink)
+    buf = read(path, nbytes, unlink, recycle)
     with warnings.catch_warnings():  # torch warns about non-writable buffers; this one is ours
         warnings.simplefilter("ignore", UserWarning)
         t = torch.frombuffer(buf, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
