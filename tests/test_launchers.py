@@ -254,3 +254,26 @@ def test_output_sent_before_done_is_shown_even_when_it_arrives_late(tmp_path, ca
         assert "[rank 0] late line" in capsys.readouterr().out
     finally:
         channel.close()
+
+
+@pytest.mark.timeout(30)
+def test_forking_waits_as_long_as_the_start_and_says_how_many_ranks_came() -> None:
+    """On a busy machine forking many ranks took over the old fixed 10 s: the wait is the
+    caller's (the start's deadline), and running out says how far the server got."""
+    from labkit.kernel.spawn import ForkServer
+
+    server = types.SimpleNamespace(
+        cond=threading.Condition(), spawned={}, alive=lambda: True, log_path="/tmp/fs.log"
+    )
+
+    def report_slowly() -> None:  # rank 0 at once, rank 1 after 1.5 s
+        for r, delay in ((0, 0.0), (1, 1.5)):
+            threading.Event().wait(delay)
+            with server.cond:
+                server.spawned[(7, r)] = 1000 + r
+                server.cond.notify_all()
+
+    threading.Thread(target=report_slowly, daemon=True).start()
+    assert ForkServer.wait_pids(server, 7, [0, 1], timeout=10.0) == {0: 1000, 1: 1001}
+    with pytest.raises(RuntimeError, match=r"forked 2 of 3 ranks \(not all in 0 s\).*fs\.log"):
+        ForkServer.wait_pids(server, 7, [0, 1, 2], timeout=0.2)

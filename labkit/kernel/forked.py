@@ -89,7 +89,8 @@ class ForkedRanks(RankLauncher):
                         shm_dir=channel.shm_dir,
                     )
                 )
-            self.pids = server.wait_pids(gen, list(range(n)))
+            # the start's own deadline: forking 16 ranks on a busy 2-core machine can take >10 s
+            self.pids = server.wait_pids(gen, list(range(n)), deadline - time.monotonic())
             hellos = channel.pump(set(range(n)), "hello", deadline=deadline)
             self.info = {r: dict(h, backend=choice.backend) for r, h in hellos.items()}
             channel.send(range(n), Init(type="init", port=hellos[0]["port"]))

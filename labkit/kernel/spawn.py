@@ -112,7 +112,12 @@ class ForkServer:
         with self.cond:
             while not all((gen, r) in self.spawned for r in ranks):
                 if not self.alive() or time.monotonic() > deadline:
-                    raise RuntimeError("the labkit fork server did not fork the ranks")
+                    done = sum((gen, r) in self.spawned for r in ranks)
+                    why = "it exited" if not self.alive() else f"not all in {timeout:.0f} s"
+                    raise RuntimeError(
+                        f"the labkit fork server forked {done} of {len(ranks)} ranks ({why}); "
+                        f"its log: {self.log_path}"
+                    )
                 self.cond.wait(0.05)
             return {r: self.spawned[(gen, r)] for r in ranks}
 
