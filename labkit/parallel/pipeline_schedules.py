@@ -174,11 +174,10 @@ class TorchPipeline:
         name, v_needed = TORCH_SCHEDULES[schedule]
         v = len(chunks)
         want = list(range(rank, num_chunks, p))
-        if num_chunks != v * p or [c.chunk for c in chunks] != want:
+        if num_chunks % p or [c.chunk for c in chunks] != want:
             raise ValueError(
-                f"rank {rank} must hold chunks {list(range(rank, v * p, p))} of "
-                f"num_chunks = v*p = {v * p}, got chunks {[c.chunk for c in chunks]} "
-                f"of {num_chunks}"
+                f"rank {rank} must hold chunks {want} (rank, rank + p, ... below num_chunks = "
+                f"{num_chunks}, a multiple of p = {p}), got chunks {[c.chunk for c in chunks]}"
             )
         if v_needed is not None and v != v_needed:
             raise ValueError(f"{schedule} runs {v_needed} chunk per rank, got {v}")
