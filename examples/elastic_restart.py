@@ -45,8 +45,12 @@ def main() -> int:
     args = p.parse_args()
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torchrun
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world_size = dist.get_rank(), dist.get_world_size()
+    # torchrun's workers share its rendezvous store, and a restarted group can read the
+    # addresses the failed attempt left there (pytorch/pytorch#135712; in torch 2.13 gloo then
+    # fails with "connectFullMesh ... Connection refused"): each attempt gets its own prefix.
+    store, rank, world_size = next(dist.rendezvous("env://"))
+    store = dist.PrefixStore(f"attempt_{attempt}", store)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     ckpt = Path(args.checkpoint_dir) / "checkpoint.pt"
     try:
         X, y = load_digits()
