@@ -179,9 +179,9 @@ def _bubbles_rank(rank: int, world_size: int) -> dict:
 def test_measured_bubbles_follow_the_formulas(load: list) -> None:
     """2 ranks, m = 2, sleeps of 80 ms per rank's F, B and W. The time between ops (torch's
     bookkeeping, messages, waiting for a core) counts as idle, so the better of two runs lies
-    in [formula - 0.03, formula + HIGH]: 0.12 on a quiet machine; with every core saturated
-    the ops' CPU work waits for a core, so 0.25 (a pipeline that did not overlap its stages
-    would idle 0.5). Interleaving and zero bubble both beat 1F1B."""
+    in [formula - 0.05, formula + HIGH] (a sleep that overshoots stretches an op either way).
+    HIGH is 0.12 on a quiet machine; with every core saturated the ops' CPU work waits for a
+    core, so 0.25 (a pipeline that did not overlap its stages would idle 0.5). Interleaving and zero bubble both beat 1F1B."""
     high = HIGH["loaded" if load else "idle"]
     ranks = run_ranks(_bubbles_rank, 2)
     want = {
@@ -195,5 +195,5 @@ def test_measured_bubbles_follow_the_formulas(load: list) -> None:
         got[schedule] = min(
             measured_bubble(a + b) for a, b in zip(ranks[0][schedule], ranks[1][schedule])
         )
-        assert formula - 0.03 <= got[schedule] <= formula + high, (schedule, got, want)
+        assert formula - 0.05 <= got[schedule] <= formula + high, (schedule, got, want)
     assert got["1f1b"] > max(got["interleaved_1f1b"], got["zero_bubble"]), got
