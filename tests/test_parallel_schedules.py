@@ -181,7 +181,8 @@ def test_measured_bubbles_follow_the_formulas(load: list) -> None:
     bookkeeping, messages, waiting for a core) counts as idle, so the better of two runs lies
     in [formula - 0.05, formula + HIGH] (a sleep that overshoots stretches an op either way).
     HIGH is 0.12 on a quiet machine; with every core saturated the ops' CPU work waits for a
-    core, so 0.25 (a pipeline that did not overlap its stages would idle 0.5). Interleaving and zero bubble both beat 1F1B."""
+    core, so 0.25 (a pipeline that did not overlap its stages would idle 0.5). Interleaving
+    and zero bubble both beat 1F1B."""
     high = HIGH["loaded" if load else "idle"]
     ranks = run_ranks(_bubbles_rank, 2)
     want = {
