@@ -3,8 +3,9 @@
     torchrun --standalone --nproc-per-node=2 --max-restarts=1 \\
         examples/elastic_restart.py --checkpoint-dir /tmp/elastic --fail-at 3
 
-Each rank trains the digits MLP with DDP for `--steps` steps, one batch of 32 per rank and
-step; after every step rank 0 writes a checkpoint (model, optimizer, next step) and all ranks
+Each rank trains a small seeded MLP on seeded data (no data set to load: the workers start
+twice) with DDP for `--steps` steps, one batch of 32 per rank and step; after every step rank 0
+writes a checkpoint (model, optimizer, next step) and all ranks
 pass a barrier. On the first attempt (TORCHELASTIC_RESTART_COUNT = 0) rank 1 exits with an
 error at step `--fail-at`. torchrun's agent sees the failed worker, stops the others and, while
 restarts are left (`--max-restarts`), starts the whole group again with the restart count one
@@ -25,16 +26,18 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from labkit.parallel.data_parallel import make_mlp
-from labkit.parallel.datasets import load_digits
-
-BATCH, LR = 32, 0.5
+from labkit.parallel.uneven_inputs import (
+    RESTART_BATCH,
+    RESTART_LR,
+    restart_data,
+    restart_model,
+)
 
 
 def batch_indices(step: int, rank: int, world_size: int) -> torch.Tensor:
-    """The samples of `rank` at `step`: block step*world_size + rank of BATCH samples."""
-    start = (step * world_size + rank) * BATCH
-    return torch.arange(start, start + BATCH)
+    """The samples of `rank` at `step`: block step*world_size + rank of RESTART_BATCH."""
+    start = (step * world_size + rank) * RESTART_BATCH
+    return torch.arange(start, start + RESTART_BATCH)
 
 
 def main() -> int:
@@ -53,9 +56,9 @@ def main() -> int:
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
     ckpt = Path(args.checkpoint_dir) / "checkpoint.pt"
     try:
-        X, y = load_digits()
-        model = make_mlp(seed=0)
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        X, y = restart_data()
+        model = restart_model()
+        opt = torch.optim.SGD(model.parameters(), lr=RESTART_LR)
         start = 0
         if ckpt.exists():  # a restart: go on from the last step every rank finished
             state = torch.load(ckpt)

@@ -20,6 +20,7 @@ from labkit.parallel.uneven_inputs import (
     join_reference,
     shadow_steps,
     train_ddp,
+    train_one_process,
     uneven_batches,
 )
 
@@ -115,14 +116,7 @@ def test_torchrun_restarts_the_group_and_resumes_from_the_checkpoint(tmp_path: P
     )
     assert lines[-1] == "final attempt 1 resumed_from 3 steps 6"
     # the same weights as one process that trained the 6 steps without failing
-    X, y = load_digits()
-    model = make_mlp(seed=0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    for step in range(6):
-        opt.zero_grad()
-        b = torch.arange(step * 64, step * 64 + 64)
-        torch.nn.functional.cross_entropy(model(X[b]), y[b]).backward()
-        opt.step()
+    model = train_one_process(6)
     final = torch.load(tmp_path / "final.pt")
     err = max((final[k] - v).abs().max().item() for k, v in model.state_dict().items())
     assert err < 1e-6, err

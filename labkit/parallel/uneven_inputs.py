@@ -19,6 +19,9 @@ ranks still active (`False`). `join_reference` trains one process by that formul
 - `train_ddp(ddp, X, y, batches, lr, join)`: plain SGD on `batches`, inside `Join` if asked.
 - `join_reference(model, X, y, counts, batch_size, lr, divide_by_initial_world_size)`: one
   process, the formula above.
+- `restart_data()`, `restart_model()`, `train_one_process(steps)`: the seeded data and model of
+  `examples/elastic_restart.py` (no data set to load: its workers start twice), and the run of
+  one process that never fails, which the restarted job must equal.
 """
 
 from __future__ import annotations
@@ -29,7 +32,19 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-__all__ = ["join_reference", "shadow_steps", "train_ddp", "uneven_batches"]
+__all__ = [
+    "RESTART_BATCH",
+    "RESTART_LR",
+    "join_reference",
+    "restart_data",
+    "restart_model",
+    "shadow_steps",
+    "train_ddp",
+    "train_one_process",
+    "uneven_batches",
+]
+
+RESTART_BATCH, RESTART_LR = 32, 0.5  # per worker and step, in examples/elastic_restart.py
 
 
 def _check_counts(counts: Sequence[int], batch_size: int) -> None:
@@ -110,5 +125,34 @@ def join_reference(
         for r in active:
             b = batches[r][k]
             (nn.functional.cross_entropy(model(X[b]), y[b]) / divisor).backward()
+        opt.step()
+    return model
+
+
+def restart_data(samples: int = 1024) -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded inputs (samples x 16) and labels (0..3) for the elastic-restart script."""
+    g = torch.Generator().manual_seed(0)
+    X = torch.randn(samples, 16, generator=g)
+    return X, (X[:, :4].sum(1) > 0).long() + 2 * (X[:, 4:8].sum(1) > 0).long()
+
+
+def restart_model() -> nn.Sequential:
+    """The elastic-restart script's model, the same seeded weights in every process."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(16, 32), nn.Tanh(), nn.Linear(32, 4))
+
+
+def train_one_process(steps: int, world_size: int = 2) -> nn.Sequential:
+    """What the script's DDP job computes, in one process that never fails: at each step the
+    mean loss over every worker's batch (block step*world_size + r of RESTART_BATCH samples)."""
+    X, y = restart_data()
+    model = restart_model()
+    opt = torch.optim.SGD(model.parameters(), lr=RESTART_LR)
+    for step in range(steps):
+        n = world_size * RESTART_BATCH
+        b = torch.arange(step * n, (step + 1) * n)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(X[b]), y[b]).backward()
         opt.step()
     return model
