@@ -1,0 +1,200 @@
+"""Pipeline schedules beyond 1F1B: torch's orders simulated against the bubble formulas (pure),
+and torch's GPipe, 1F1B, interleaved 1F1B and zero-bubble schedules on 3 gloo ranks checked
+against the unsplit model (loss and every gradient), then their bubbles measured on 2 ranks
+with sleep-timed chunks, on a quiet and on a saturated CPU."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import pytest
+import torch
+from distributed import run_ranks
+from torch import nn
+
+from labkit.parallel.pipeline_parallel import bubble_fraction
+from labkit.parallel.pipeline_schedules import (
+    TORCH_SCHEDULES,
+    TorchPipeline,
+    build_chunks,
+    measured_bubble,
+    simulate,
+    simulated_bubble,
+    torch_orders,
+    zero_bubble_fraction,
+)
+
+SLEEP_S = 0.08  # a rank's F, B and W of one micro-batch each sleep this long (split over chunks)
+HIGH = {"idle": 0.12, "loaded": 0.25}  # measured <= formula + HIGH: time between ops is idle
+CHUNKS_PER_RANK = {"gpipe": 1, "1f1b": 1, "interleaved_1f1b": 2, "zero_bubble": 2}
+
+# ---------------------------------------------------------------- pure
+
+
+@pytest.mark.parametrize("schedule", TORCH_SCHEDULES)
+def test_orders_run_every_op_once_after_what_it_needs(schedule: str) -> None:
+    for p, m in ((2, 2), (3, 6), (4, 4)):
+        v = CHUNKS_PER_RANK[schedule]
+        orders = torch_orders(schedule, p, m, v)
+        ops = simulate(orders, p * v, (1.0, 1.0, 1.0))
+        kinds = {"B", "W"} if schedule == "zero_bubble" else {"BW"}
+        assert {k for _, _, k, _, _, _ in ops} == {"F"} | kinds
+        seen = [(c, k, j) for _, c, k, j, _, _ in ops]
+        assert len(seen) == len(set(seen)) == p * v * m * (1 + len(kinds))
+        for r, c, *_ in ops:
+            assert c % p == r  # chunk c lives on rank c mod p
+        end = {(c, k, j): e for _, c, k, j, _, e in ops}
+        start = {(c, k, j): s for _, c, k, j, s, _ in ops}
+        for c, k, j in seen:
+            if k == "F" and c > 0:
+                assert end[c - 1, "F", j] <= start[c, k, j]
+            if k == "W":
+                assert end[c, "B", j] <= start[c, k, j]
+            if k in ("B", "BW") and c < p * v - 1:
+                back = (c + 1, "B" if k == "B" else "BW", j)
+                assert end[back] <= start[c, k, j]
+        for r in range(p):  # one op at a time per rank
+            mine = sorted((s, e) for rr, _, _, _, s, e in ops if rr == r)
+            assert all(a[1] <= b[0] for a, b in itertools.pairwise(mine))
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+@pytest.mark.parametrize("v", [1, 2])
+def test_simulated_bubbles_equal_the_formulas(p: int, v: int) -> None:
+    for m in (p, 2 * p):
+        for times in ((1.0, 1.0, 1.0), (1.0, 2.0, 1.0), (1.0, 1.0, 0.5)):
+            chunk = tuple(t / v for t in times)
+            for schedule in ("gpipe", "1f1b"):
+                got = simulated_bubble(torch_orders(schedule, p, m), p, times)
+                assert got == pytest.approx(bubble_fraction(p, m))
+            got = simulated_bubble(torch_orders("interleaved_1f1b", p, m, v), p * v, chunk)
+            assert got == pytest.approx(bubble_fraction(p, m, v))
+            got = simulated_bubble(torch_orders("zero_bubble", p, m, v), p * v, chunk)
+            assert got == pytest.approx(zero_bubble_fraction(p, m, v, times))
+            assert got < bubble_fraction(p, m, v)  # the W's fill part of the bubble
+
+
+def test_zero_bubble_gains_nothing_without_a_weight_gradient() -> None:
+    for p, m, v in ((2, 4, 2), (4, 8, 1), (3, 6, 2)):
+        no_w = (1.0 / v, 2.0 / v, 0.0)  # the whole backward is B: nothing to move into the bubble
+        zb = simulated_bubble(torch_orders("zero_bubble", p, m, v), p * v, no_w)
+        assert zb == pytest.approx(bubble_fraction(p, m, v))
+
+
+def test_formulas_and_errors() -> None:
+    assert zero_bubble_fraction(2, 4, 2, (1, 1, 1)) == pytest.approx(0.5 / 12.5)
+    assert zero_bubble_fraction(1, 4, 1, (1, 1, 1)) == 0.0
+    with pytest.raises(ValueError, match="tw <= tf"):
+        zero_bubble_fraction(2, 4, 1, (1, 1, 2))
+    with pytest.raises(ValueError, match=r"\[1, inf\)"):
+        zero_bubble_fraction(2, 0, 1, (1, 1, 1))
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        torch_orders("zigzag", 2, 2)
+    with pytest.raises(ValueError, match="runs 1 chunk per rank, got v=2"):
+        torch_orders("1f1b", 2, 2, 2)
+    with pytest.raises(ValueError, match="deadlock"):  # rank 0 waits for B of chunk 1 first
+        simulate({0: [("BW", 0, 0), ("F", 0, 0)], 1: [("F", 1, 0), ("BW", 1, 0)]}, 2, (1, 1, 1))
+    with pytest.raises(ValueError, match="must be non-empty"):
+        measured_bubble([])
+
+
+# ---------------------------------------------------------------- on ranks
+
+
+def _expand(order: list) -> list:
+    return [(k, c, j) for kind, c, j in order for k in (("B", "W") if kind == "BW" else (kind,))]
+
+
+def _schedules_rank(rank: int, world_size: int, m: int, seconds: float, repeats: int) -> dict:
+    from torch.distributed import pipelining  # noqa: F401 - its first import is slow
+
+    torch.set_num_threads(1)
+    out = {}
+    for schedule, v in CHUNKS_PER_RANK.items():
+        n = v * world_size
+        model = build_chunks(8, n, (seconds / v,) * 3, seed=0)
+        reference = copy.deepcopy(model)
+        for chunk in reference:
+            chunk.seconds = (0.0, 0.0, 0.0)
+        torch.manual_seed(1)
+        x, y = torch.randn(12, 8), torch.randn(12, 8)
+        ref_loss = nn.functional.mse_loss(reference(x), y)
+        ref_loss.backward()
+        mine = [model[c] for c in range(rank, n, world_size)]
+        pipe = TorchPipeline(mine, n, nn.functional.mse_loss, m, schedule)
+        pipe.step(x, y)  # torch's set-up step
+        runs = []
+        for _ in range(repeats):
+            model.zero_grad()
+            loss, events = pipe.step(x, y)
+            runs.append(events)
+        err = max(
+            (p.grad - reference.get_parameter(f"{c.chunk}.{name}").grad).abs().max().item()
+            for c in mine
+            for name, p in c.named_parameters()
+        )
+        out[schedule] = {
+            "loss_err": None if loss is None else abs(loss.item() - ref_loss.item()),
+            "grad_err": err,
+            "runs": runs,
+        }
+    try:
+        TorchPipeline(mine[:1], 2 * world_size, nn.functional.mse_loss, m, "zero_bubble")
+    except ValueError as e:
+        out["error"] = str(e)
+    return out
+
+
+@pytest.fixture(scope="module")
+def three_ranks() -> list[dict]:
+    return run_ranks(_schedules_rank, 3, 3, 0.0, 1)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("schedule", TORCH_SCHEDULES)
+def test_schedule_equals_unsplit_model_and_runs_torchs_order(
+    three_ranks: list[dict], schedule: str
+) -> None:
+    v = CHUNKS_PER_RANK[schedule]
+    orders = torch_orders(schedule, 3, 3, v)
+    for rank, res in enumerate(three_ranks):
+        r = res[schedule]
+        assert r["grad_err"] < 1e-6, (rank, r["grad_err"])
+        assert (r["loss_err"] is None) == (rank != 2)
+        if rank == 2:
+            assert r["loss_err"] < 1e-6
+        events = r["runs"][0]
+        assert [(e.kind, e.chunk, e.microbatch) for e in events] == _expand(orders[rank])
+        assert all(e.rank == rank for e in events)
+    assert "rank 0 must hold chunks [0, 3]" in three_ranks[0]["error"]
+
+
+def _bubbles_rank(rank: int, world_size: int) -> dict:
+    res = _schedules_rank(rank, world_size, 2, SLEEP_S, 2)
+    return {s: res[s]["runs"] for s in CHUNKS_PER_RANK}
+
+
+@pytest.mark.timeout(240)
+def test_measured_bubbles_follow_the_formulas(load: list) -> None:
+    """2 ranks, m = 2, sleeps of 80 ms per rank's F, B and W. The time between ops (torch's
+    bookkeeping, messages, waiting for a core) counts as idle, so the better of two runs lies
+    in [formula - 0.05, formula + HIGH] (a sleep that overshoots stretches an op either way).
+    HIGH is 0.12 on a quiet machine; with every core saturated the ops' CPU work waits for a
+    core, so 0.25 (a pipeline that did not overlap its stages would idle 0.5). Interleaving
+    and zero bubble both beat 1F1B."""
+    high = HIGH["loaded" if load else "idle"]
+    ranks = run_ranks(_bubbles_rank, 2)
+    want = {
+        "gpipe": bubble_fraction(2, 2),
+        "1f1b": bubble_fraction(2, 2),
+        "interleaved_1f1b": bubble_fraction(2, 2, 2),
+        "zero_bubble": zero_bubble_fraction(2, 2, 2, (1, 1, 1)),
+    }
+    got = {}
+    for schedule, formula in want.items():
+        got[schedule] = min(
+            measured_bubble(a + b) for a, b in zip(ranks[0][schedule], ranks[1][schedule])
+        )
+        assert formula - 0.05 <= got[schedule] <= formula + high, (schedule, got, want)
+    assert got["1f1b"] > max(got["interleaved_1f1b"], got["zero_bubble"]), got
