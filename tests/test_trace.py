@@ -169,7 +169,7 @@ torch.manual_seed(0)
 ddp = DDP(nn.Linear(4, 2))
 opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
 torch.manual_seed(1 + rank)
-with Join([ddp]):
+with Join([ddp], divide_by_initial_world_size=DIVIDE_BY_INITIAL):
     for _ in range(2 + rank):  # rank 1 runs one step more
         opt.zero_grad()
         ddp(torch.randn(3, 4)).sum().backward()
@@ -179,13 +179,23 @@ with Join([ddp]):
 
 
 @pytest.mark.timeout(180)
-def test_ddp_under_join_with_uneven_steps(lab) -> None:
-    # the reducer takes the Work of Join's per-forward all_reduce: it must be torch's own
+@pytest.mark.parametrize("divide_by_initial", [True, False])
+def test_ddp_under_join_with_uneven_steps(lab, divide_by_initial) -> None:
+    # the reducer takes the Work of Join's per-forward all_reduce: it must be torch's own; and
+    # labkit's hook divides as the reducer would (by the ranks not joined yet, when asked)
+    lab.push(DIVIDE_BY_INITIAL=divide_by_initial)
     res = lab.run(JOIN_CELL)
     res.raise_for_errors()
     assert all(torch.equal(a, b) for a, b in zip(res[0].value, res[1].value, strict=True))
     recs = _ops(lab, rank=1)
     assert recs and all(r.end >= r.start for r in recs)
+    lab.trace(enabled=False)  # DDP's own C++ path, no hook registered
+    try:
+        plain = lab.run(JOIN_CELL)
+    finally:
+        lab.trace(enabled=True)
+    for a, b in zip(res[1].value, plain[1].value, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.timeout(180)
