@@ -35,6 +35,8 @@ CELLS = [
     "labkit.show_comm(lab)",
     "labkit.show_placement(lab, 'model')",
     "labkit.show_timeline(lab).static()",
+    "from labkit.views.schedule_view import ideal_events, schedule_figure",
+    "schedule_figure(ideal_events([(0, 0, 'F', 0), (1, 0, 'F', 1)]), 'GPipe', unit='step')",
     "lab.pull('x')",
     "%%ranks 1\nrank * 100\n",
     "%%ranks\nif rank == 1:\n    raise ValueError('bad batch on rank 1')\n",
@@ -80,6 +82,8 @@ def test_terminal_ipython_shows_readable_text(tmp_path) -> None:
     assert "time per rank" in out and "all_reduce" in out, out  # show_timeline
     assert "bytes sent" in out and "from \\ to" in out, out  # show_comm
     assert "weight" in out and "bias" in out, out  # show_placement
+    # a bare plotly figure (the pipeline schedules): words, not a browser window
+    assert "GPipe (plotly; it draws in a notebook)\n  bar forward: 2 points" in out, out
     for bad in ("VBox(", "HBox(", "children=", "<IPython.", "Output(", "FigureWidget"):
         assert bad not in out, f"{bad!r} in the terminal's output:\n{out}"
     assert not re.search(r"</?(div|table|tr|td|b|style|span|pre)\b", out), out  # no HTML

@@ -90,6 +90,36 @@ def figure_output(fig: go.Figure) -> dict[str, Any]:
     }
 
 
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel (widgets and figures draw), False in terminal IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return getattr(get_ipython(), "kernel", None) is not None
+
+
+def figure_text(fig: go.Figure) -> str:
+    """A figure in words: its title and, per trace, its kind, name and number of points."""
+    lines = [f"{fig.layout.title.text or 'figure'} (plotly; it draws in a notebook)"]
+    for trace in fig.data:
+        points = len(trace.x) if getattr(trace, "x", None) is not None else 0
+        name = f" {trace.name}" if trace.name else ""
+        lines.append(f"  {trace.type}{name}: {points} point{'s' if points != 1 else ''}")
+    return "\n".join(lines)
+
+
+class TextFigure(go.Figure):
+    """A plotly figure that terminal IPython shows as `figure_text` instead of opening a
+    browser window (plotly's renderer there); in a notebook it is a plain go.Figure."""
+
+    def _ipython_display_(self) -> None:
+        if in_kernel():
+            super()._ipython_display_()
+        else:
+            print(figure_text(self))
+
+
 class StaticHTML:
     """HTML that IPython displays as is (no widget, no JavaScript)."""
 
