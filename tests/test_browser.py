@@ -30,6 +30,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -119,11 +120,13 @@ def jupyter(request, server) -> Iterator[tuple[str, str]]:
     path = os.path.join(work, folder, name)
     if os.path.exists(os.path.join(ROOT, "notebooks", name)):
         shutil.copy(os.path.join(ROOT, "notebooks", name), path)
-    where = "lab/tree" if frontend == "lab" else "notebooks"
+    # a JupyterLab workspace of the test's own: the shared default one would reopen the tabs
+    # of the tests before (each starting its kernel)
+    where = f"lab/workspaces/{folder}/tree" if frontend == "lab" else "notebooks"
     try:
         yield f"{base}/{where}/{folder}/{name}?token={token}", path
     finally:
-        _shutdown_kernels(f"{base}/?token={token}")
+        _shutdown_kernels(f"{base}/?token={token}", every=True)
 
 
 def _code_cells(page):  # the notebook's code cells, in order
@@ -156,8 +159,7 @@ def _open(page, url: str) -> None:
     lab = "/lab/" in url  # Notebook 7 has no execution indicator in its status bar
     deadline = time.monotonic() + 60
     while True:  # JupyterLab may start (and drop) a kernel or two while it settles
-        sessions = _api(base, token, "sessions")
-        states = [s["kernel"]["execution_state"] for s in sessions]
+        states = _states(url)
         indicator = ".jp-Notebook-ExecutionIndicator[data-status='idle']"
         idle = not lab or page.locator(indicator).count()
         if states == ["idle"] and idle:
@@ -262,6 +264,8 @@ def test_views_tour_renders_in_notebook_7(jupyter) -> None:
     draws and no widget fails to display."""
     from playwright.sync_api import sync_playwright
 
+    pytest.importorskip("notebook", minversion="7", reason="Notebook 7 (the lab extra) is missing")
+
     url, path = jupyter
     with open(path) as f:
         num_code = sum(c["cell_type"] == "code" for c in json.load(f)["cells"])
@@ -363,7 +367,7 @@ def _wait_plots_drawn(page, area, count: int) -> None:
         """([area, count]) => {
             const plots = [...area.querySelectorAll('.js-plotly-plot')];
             return plots.length === count && plots.every(
-                p => p.data && p.data.length > 0 && p.querySelector('.main-svg .trace'));
+                p => p.data && p.data.length > 0 && p.querySelector('.main-svg'));
         }""",
         arg=[area.element_handle(), count],
         timeout=30_000,
@@ -396,7 +400,7 @@ def _wait_run_all_done(url: str, timeout: float) -> None:
     base, token = _base(url)
     deadline, busy, idle_since = time.monotonic() + timeout, False, None
     while True:
-        states = [s["kernel"]["execution_state"] for s in _api(base, token, "sessions")]
+        states = _states(url)
         busy = busy or states == ["busy"]
         idle_since = (idle_since or time.monotonic()) if busy and states == ["idle"] else None
         if idle_since and time.monotonic() - idle_since > 5:
@@ -447,13 +451,42 @@ def test_run_all_reaches_the_end_of_the_failures_notebook(jupyter) -> None:
     assert "lk-live" not in saved and "running for" not in saved  # nothing stale was saved
 
 
-def _shutdown_kernels(url: str) -> None:
+def _notebook_path(url: str) -> str:
+    """The notebook's path on the server, as its sessions name it."""
+    path = url.split("?")[0]
+    return path.split("/tree/", 1)[1] if "/lab/" in path else path.split("/notebooks/", 1)[1]
+
+
+def _states(url: str) -> list[str]:
+    """The execution states of the kernels of this notebook's sessions (the server is shared)."""
     base, token = _base(url)
-    for s in _api(base, token, "sessions"):
-        req = urllib.request.Request(
-            f"{base}/api/sessions/{s['id']}?token={token}", method="DELETE"
-        )
-        urllib.request.urlopen(req, timeout=30).close()
+    path = _notebook_path(url)
+    sessions = _api(base, token, "sessions")
+    return [s["kernel"]["execution_state"] for s in sessions if s["path"] == path]
+
+
+def _shutdown_kernels(url: str, every: bool = False) -> None:
+    """Shut down this notebook's sessions (`every`: all of the server's), and wait until they
+    are gone."""
+    base, token = _base(url)
+    path = None if every else _notebook_path(url)
+    deadline = time.monotonic() + 30
+    while True:
+        sessions = [s for s in _api(base, token, "sessions") if every or s["path"] == path]
+        if not sessions:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sessions left after shutting them down: {sessions}")
+        for s in sessions:
+            req = urllib.request.Request(
+                f"{base}/api/sessions/{s['id']}?token={token}", method="DELETE"
+            )
+            try:
+                urllib.request.urlopen(req, timeout=30).close()
+            except urllib.error.HTTPError as exc:  # gone meanwhile
+                if exc.code != 404:
+                    raise
+        time.sleep(0.5)
 
 
 def _screenshot(page, step: str) -> None:
