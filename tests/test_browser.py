@@ -326,7 +326,7 @@ def test_scenes_draw_and_are_captured(jupyter) -> None:
     folder = os.environ.get("LABKIT_SCREENSHOTS")
     with sync_playwright() as pw:
         browser = _launch(pw)
-        page = browser.new_page(viewport={"width": 1200, "height": 900})
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
         step = "scenes open"
         try:
             _open(page, url)
