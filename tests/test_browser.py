@@ -1,12 +1,16 @@
-"""End to end in a real browser: JupyterLab runs notebooks in headless Chromium.
+"""End to end in a real browser: JupyterLab and Notebook 7 run notebooks in headless Chromium.
 
 Checks what only a browser can: every view of notebooks/01_views_tour.ipynb draws (plotly
 figures exist, one tensor panel per rank), no widget fails to display, and a saved notebook
-reopened without its kernel still shows each view's static copy. And Run All, which stops at
-the first error whatever a cell's tags say, reaches the end of the notebook that shows the most
-failures (15: four failures, each a stuck cell and a restart), leaving no live status behind.
-The copy it runs has no `raises-exception` tags: JupyterLab 4.6 runs on past a tagged cell's
-error, but other frontends (and older JupyterLab) stop there, so the notebook must not rely on it.
+reopened without its kernel still shows each view's static copy; the tour draws in Notebook 7
+too (its /notebooks/... page); and the README's scenes (tests/browser_scenes.py) draw, saved
+as PNGs when LABKIT_SCREENSHOTS names a folder. One Jupyter server serves every test (each
+in a folder of its own; `jupyter lab` serves Notebook 7's pages as well). And Run All, which
+stops at the first error whatever a cell's tags say, reaches the end of the notebook that
+shows the most failures (15: four failures, each a stuck cell and a restart), leaving no live
+status behind. The copy it runs has no `raises-exception` tags: JupyterLab 4.6 runs on past a
+tagged cell's error, but other frontends (and older JupyterLab) stop there, so the notebook
+must not rely on it.
 
 Only notebook 15 runs here, as the costliest (about a minute in a browser); the other notebooks
 that show failures (00, 11, 33) are covered without a browser: tests/test_errors.py checks that
@@ -26,10 +30,13 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
+import nbformat
 import pytest
+from browser_scenes import SCENES, SETUP, Scene
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = "01_views_tour.ipynb"
@@ -47,23 +54,24 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture
-def jupyter(request, tmp_path) -> Iterator[tuple[str, str]]:
-    """A JupyterLab server on a copy of the notebook (NOTEBOOK, or the test's parameter):
-    (the notebook's url, its path on disk)."""
-    name = getattr(request, "param", NOTEBOOK)
+@pytest.fixture(scope="module")
+def server(tmp_path_factory) -> Iterator[tuple[str, str, str]]:
+    """One Jupyter server for the module's tests: (base url, token, its notebook directory).
+
+    `jupyter lab` serves Notebook 7 too (/tree, /notebooks/...: the `notebook` package is a
+    server extension), so both frontends share it; each test gets a folder of its own."""
     if not os.path.exists(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing (CI installs Debian's chromium)")
     pytest.importorskip("playwright.sync_api", reason="the playwright package is not installed")
-    work = tmp_path / "nb"
+    tmp = tmp_path_factory.mktemp("jupyter")
+    work = tmp / "nb"
     work.mkdir()
-    shutil.copy(os.path.join(ROOT, "notebooks", name), work / name)
     token, port = secrets.token_hex(16), _free_port()
     env = dict(
         os.environ,
-        JUPYTERLAB_SETTINGS_DIR=str(tmp_path / "settings"),
-        JUPYTERLAB_WORKSPACES_DIR=str(tmp_path / "workspaces"),
-        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
+        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
     )
     cmd = [
@@ -73,14 +81,14 @@ def jupyter(request, tmp_path) -> Iterator[tuple[str, str]]:
     ]  # fmt: skip
     if os.geteuid() == 0:  # containers and CI often run as root
         cmd.append("--allow-root")
-    log = open(tmp_path / "jupyter.log", "wb")
+    log = open(tmp / "jupyter.log", "wb")
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=work)
     base = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
         while True:
             if proc.poll() is not None:
-                pytest.fail(f"jupyter lab exited ({proc.returncode}); see {tmp_path}/jupyter.log")
+                pytest.fail(f"jupyter lab exited ({proc.returncode}); see {tmp}/jupyter.log")
             try:
                 urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=2).close()
                 break
@@ -88,7 +96,7 @@ def jupyter(request, tmp_path) -> Iterator[tuple[str, str]]:
                 if time.monotonic() > deadline:
                     pytest.fail("jupyter lab did not answer within 60 s")
                 time.sleep(0.3)
-        yield f"{base}/lab/tree/{name}?token={token}", str(work / name)
+        yield base, token, str(work)
     finally:
         proc.terminate()
         try:
@@ -99,11 +107,33 @@ def jupyter(request, tmp_path) -> Iterator[tuple[str, str]]:
         log.close()
 
 
+@pytest.fixture
+def jupyter(request, server) -> Iterator[tuple[str, str]]:
+    """A copy of the notebook (NOTEBOOK, or the test's parameter; a parameter (name, "notebook")
+    opens it in Notebook 7 instead of JupyterLab) in a folder of the test's own on the shared
+    server: (the notebook's url, its path on disk). Its kernels are shut down afterwards."""
+    param = getattr(request, "param", NOTEBOOK)
+    name, frontend = param if isinstance(param, tuple) else (param, "lab")
+    base, token, work = server
+    folder = request.node.name.split("[")[0]
+    os.makedirs(os.path.join(work, folder))
+    path = os.path.join(work, folder, name)
+    if os.path.exists(os.path.join(ROOT, "notebooks", name)):
+        shutil.copy(os.path.join(ROOT, "notebooks", name), path)
+    # a JupyterLab workspace of the test's own: the shared default one would reopen the tabs
+    # of the tests before (each starting its kernel)
+    where = f"lab/workspaces/{folder}/tree" if frontend == "lab" else "notebooks"
+    try:
+        yield f"{base}/{where}/{folder}/{name}?token={token}", path
+    finally:
+        _shutdown_kernels(f"{base}/?token={token}", every=True)
+
+
 def _code_cells(page):  # the notebook's code cells, in order
     return page.locator(".jp-Notebook .jp-CodeCell")
 
 
-def _wait_all_ran(page, count: int) -> None:
+def _wait_all_ran(page, count: int, timeout_ms: int = RUN_TIMEOUT_MS) -> None:
     """Every code cell shows an execution count ([n], not [*] or [ ])."""
     page.wait_for_function(
         """(count) => {
@@ -112,7 +142,7 @@ def _wait_all_ran(page, count: int) -> None:
             return prompts.length === count && prompts.every(p => /\\[\\d+\\]/.test(p.textContent));
         }""",
         arg=count,
-        timeout=RUN_TIMEOUT_MS,
+        timeout=timeout_ms,
     )
 
 
@@ -125,18 +155,24 @@ def _open(page, url: str) -> None:
     """Open the notebook and wait until its one kernel is connected and idle."""
     page.goto(url)
     page.locator(".jp-Notebook .jp-CodeCell").first.wait_for(timeout=60_000)
-    base, token = url.split("/lab/")[0], url.split("token=")[1]
+    base, token = _base(url)
+    lab = "/lab/" in url  # Notebook 7 has no execution indicator in its status bar
     deadline = time.monotonic() + 60
     while True:  # JupyterLab may start (and drop) a kernel or two while it settles
-        sessions = _api(base, token, "sessions")
-        states = [s["kernel"]["execution_state"] for s in sessions]
-        idle = page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").count()
+        states = _states(url)
+        indicator = ".jp-Notebook-ExecutionIndicator[data-status='idle']"
+        idle = not lab or page.locator(indicator).count()
         if states == ["idle"] and idle:
             break
         if time.monotonic() > deadline:
             raise AssertionError(f"the notebook's kernel did not settle: {states}")
         time.sleep(0.5)
     page.wait_for_timeout(1000)
+
+
+def _base(url: str) -> tuple[str, str]:
+    """(the server's base url, the token) of a notebook's url."""
+    return "/".join(url.split("/")[:3]), url.split("token=")[1]
 
 
 def _api(base: str, token: str, what: str) -> list:
@@ -221,6 +257,129 @@ def test_views_tour_renders_and_survives_reopening(jupyter) -> None:
             browser.close()
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("jupyter", [(NOTEBOOK, "notebook")], indirect=True)
+def test_views_tour_renders_in_notebook_7(jupyter) -> None:
+    """The same tour in Notebook 7 (`jupyter notebook`, the /notebooks/... page): every view
+    draws and no widget fails to display."""
+    from playwright.sync_api import sync_playwright
+
+    pytest.importorskip("notebook", minversion="7", reason="Notebook 7 (the lab extra) is missing")
+
+    url, path = jupyter
+    with open(path) as f:
+        num_code = sum(c["cell_type"] == "code" for c in json.load(f)["cells"])
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1400, "height": 1000})
+        step = "notebook7 open"
+        try:
+            _open(page, url)
+            assert "/notebooks/" in page.url and "/lab" not in page.url, page.url  # no redirect
+            step = "notebook7 run all"
+            _run_all(page)
+            _wait_all_ran(page, num_code, timeout_ms=150_000)
+            step = "notebook7 views"
+            notebook = page.locator(".jp-Notebook")
+            tensors = _cell_with(page, "show_tensors").locator(".jp-OutputArea")
+            tensors.locator(".js-plotly-plot .main-svg").first.wait_for(timeout=30_000)
+            assert tensors.locator(".js-plotly-plot").count() == 2  # one panel per rank
+            for call in ("show_timeline", "show_comm", "show_placement"):
+                out = _cell_with(page, call).locator(".jp-OutputArea")
+                out.locator(".js-plotly-plot .main-svg").first.wait_for(timeout=30_000)
+            text = notebook.inner_text()
+            assert "Error displaying widget" not in text and "Traceback" not in text
+            copies = notebook.locator(".labkit-static-copy")  # hidden here too
+            assert copies.count() == 4
+            assert not any(copies.nth(i).is_visible() for i in range(4))
+        except BaseException:
+            _screenshot(page, step)
+            raise
+        finally:
+            browser.close()
+
+
+def _scenes_notebook(path: str) -> list[tuple[Scene, int]]:
+    """Write the scenes' notebook; each scene with the index of the code cell to capture."""
+    cells, marks = [nbformat.v4.new_code_cell(src) for src in SETUP], []
+    for scene in SCENES:
+        cells += [nbformat.v4.new_code_cell(src) for src in scene.cells]
+        if scene.raises:
+            cells[-1].metadata["tags"] = ["raises-exception"]
+        marks.append((scene, len(cells) - 1))
+    nb = nbformat.v4.new_notebook(cells=cells)
+    kernel = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = kernel
+    nbformat.write(nb, path)
+    return marks
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("jupyter", [("scenes.ipynb", "lab")], indirect=True)
+def test_scenes_draw_and_are_captured(jupyter) -> None:
+    """The README's scenes (tests/browser_scenes.py) draw in JupyterLab; with
+    LABKIT_SCREENSHOTS=folder each captured output is saved there as a PNG."""
+    from playwright.sync_api import sync_playwright
+
+    url, path = jupyter
+    marks = _scenes_notebook(path)
+    folder = os.environ.get("LABKIT_SCREENSHOTS")
+    with sync_playwright() as pw:
+        browser = _launch(pw)
+        page = browser.new_page(viewport={"width": 1300, "height": 900})
+        step = "scenes open"
+        try:
+            _open(page, url)
+            page.add_style_tag(content=".Toastify {display: none !important}")  # news toasts
+            page.keyboard.press("Control+b")  # hide the file browser: the cells get its width
+            step = "scenes run all"
+            _run_all(page)
+            _wait_all_ran(page, marks[-1][1] + 1, timeout_ms=150_000)
+            page.mouse.move(0, 0)  # no hover labels or mode bars in the pictures
+            for scene, index in marks:
+                step = f"scene {scene.name}"
+                cell = _code_cells(page).nth(index)
+                cell.scroll_into_view_if_needed()
+                out = cell if scene.whole_cell else cell.locator(".jp-OutputArea")
+                if scene.plots:
+                    _wait_plots_drawn(page, cell.locator(".jp-OutputArea"), scene.plots)
+                text = cell.locator(".jp-OutputArea").inner_text()
+                assert scene.expect in text, f"{scene.name}: {scene.expect!r} not in {text!r}"
+                assert "Error displaying widget" not in text, scene.name
+                if folder:
+                    page.wait_for_timeout(300)  # plotly's transitions end
+                    png = os.path.join(folder, f"{scene.name}.png")
+                    os.makedirs(folder, exist_ok=True)
+                    out.screenshot(path=png, animations="disabled")
+                    size = os.path.getsize(png)
+                    assert size < 150_000, f"{png} is {size} bytes: make the scene smaller"
+        except BaseException:
+            _screenshot(page, step)
+            raise
+        finally:
+            browser.close()
+
+
+def _wait_plots_drawn(page, area, count: int) -> None:
+    """Wait until `area` holds `count` plotly figures, each drawn with its data (a figure
+    widget first draws empty axes, then its traces)."""
+    page.wait_for_function(
+        """([area, count]) => {
+            const plots = [...area.querySelectorAll('.js-plotly-plot')];
+            return plots.length === count && plots.every(
+                p => p.data && p.data.length > 0 && p.querySelector('.main-svg'));
+        }""",
+        arg=[area.element_handle(), count],
+        timeout=30_000,
+    )
+
+
+def _run_all(page) -> None:
+    """Run > Run All Cells (the same menu in JupyterLab and Notebook 7)."""
+    page.locator(".lm-MenuBar-itemLabel", has_text="Run").first.click()
+    page.locator(".lm-Menu-itemLabel", has_text="Run All Cells").first.click()
+
+
 def _launch(pw):
     return pw.chromium.launch(
         executable_path=CHROMIUM,
@@ -238,10 +397,10 @@ def _wait_run_all_done(url: str, timeout: float) -> None:
     """Wait until Run All is over: the kernel was busy, then idle for 5 s on end (it is idle
     only for a moment between queued cells). Which cells ran is read from the saved file: the
     notebook draws only the cells on screen, so the page cannot tell."""
-    base, token = url.split("/lab/")[0], url.split("token=")[1]
+    base, token = _base(url)
     deadline, busy, idle_since = time.monotonic() + timeout, False, None
     while True:
-        states = [s["kernel"]["execution_state"] for s in _api(base, token, "sessions")]
+        states = _states(url)
         busy = busy or states == ["busy"]
         idle_since = (idle_since or time.monotonic()) if busy and states == ["idle"] else None
         if idle_since and time.monotonic() - idle_since > 5:
@@ -292,13 +451,42 @@ def test_run_all_reaches_the_end_of_the_failures_notebook(jupyter) -> None:
     assert "lk-live" not in saved and "running for" not in saved  # nothing stale was saved
 
 
-def _shutdown_kernels(url: str) -> None:
-    base, token = url.split("/lab/")[0], url.split("token=")[1]
-    for s in _api(base, token, "sessions"):
-        req = urllib.request.Request(
-            f"{base}/api/sessions/{s['id']}?token={token}", method="DELETE"
-        )
-        urllib.request.urlopen(req, timeout=30).close()
+def _notebook_path(url: str) -> str:
+    """The notebook's path on the server, as its sessions name it."""
+    path = url.split("?")[0]
+    return path.split("/tree/", 1)[1] if "/lab/" in path else path.split("/notebooks/", 1)[1]
+
+
+def _states(url: str) -> list[str]:
+    """The execution states of the kernels of this notebook's sessions (the server is shared)."""
+    base, token = _base(url)
+    path = _notebook_path(url)
+    sessions = _api(base, token, "sessions")
+    return [s["kernel"]["execution_state"] for s in sessions if s["path"] == path]
+
+
+def _shutdown_kernels(url: str, every: bool = False) -> None:
+    """Shut down this notebook's sessions (`every`: all of the server's), and wait until they
+    are gone."""
+    base, token = _base(url)
+    path = None if every else _notebook_path(url)
+    deadline = time.monotonic() + 30
+    while True:
+        sessions = [s for s in _api(base, token, "sessions") if every or s["path"] == path]
+        if not sessions:
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"sessions left after shutting them down: {sessions}")
+        for s in sessions:
+            req = urllib.request.Request(
+                f"{base}/api/sessions/{s['id']}?token={token}", method="DELETE"
+            )
+            try:
+                urllib.request.urlopen(req, timeout=30).close()
+            except urllib.error.HTTPError as exc:  # gone meanwhile
+                if exc.code != 404:
+                    raise
+        time.sleep(0.5)
 
 
 def _screenshot(page, step: str) -> None:

@@ -44,6 +44,16 @@ def _paint(color: str, text: str, on: bool) -> str:
     return f"{color}{text}{RESET}" if on else text
 
 
+def _shell_colours() -> bool:
+    """Whether IPython colours its tracebacks (`--colors=NoColor` turns that off; so for us)."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    shell = get_ipython()
+    return shell is None or str(getattr(shell, "colors", "")).lower() != "nocolor"
+
+
 class LabError(RuntimeError):
     """The lab could not do what was asked (bad state, dead rank, recovery happened)."""
 
@@ -55,7 +65,7 @@ class LabError(RuntimeError):
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing the traceback: labkit's own frames, and any
         # exception this one was raised while handling, say nothing to a user
-        return self.explain(color=True)
+        return self.explain(color=_shell_colours())
 
 
 class RemoteError(LabError):

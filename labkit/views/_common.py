@@ -5,7 +5,8 @@ tests read the figure state without a browser. Figures are shown as plotly Figur
 `anywidget` (which plotly 7 needs for FigureWidget) is importable, otherwise as an ipywidgets
 Output holding the figure's plotly JSON (JupyterLab renders it; nothing is fetched from the
 network). Every view also has `to_html()`: plain HTML tables without JavaScript, which is what a
-saved notebook shows once the live widgets cannot be restored.
+saved notebook shows once the live widgets cannot be restored; and `to_text()`, the same as plain
+text (views.text), which terminal IPython and other text frontends show instead of the widget.
 
 Shown in a notebook, a view makes two outputs: the live widget, then its static copy. JupyterLab
 never falls back to a widget output's own text/html (a saved widget whose kernel is gone reads
@@ -89,6 +90,36 @@ def figure_output(fig: go.Figure) -> dict[str, Any]:
     }
 
 
+def in_kernel() -> bool:
+    """True inside a Jupyter kernel (widgets and figures draw), False in terminal IPython."""
+    try:
+        from IPython import get_ipython
+    except ImportError:
+        return False
+    return getattr(get_ipython(), "kernel", None) is not None
+
+
+def figure_text(fig: go.Figure) -> str:
+    """A figure in words: its title and, per trace, its kind, name and number of points."""
+    lines = [f"{fig.layout.title.text or 'figure'} (plotly; it draws in a notebook)"]
+    for trace in fig.data:
+        points = len(trace.x) if getattr(trace, "x", None) is not None else 0
+        name = f" {trace.name}" if trace.name else ""
+        lines.append(f"  {trace.type}{name}: {points} point{'s' if points != 1 else ''}")
+    return "\n".join(lines)
+
+
+class TextFigure(go.Figure):
+    """A plotly figure that terminal IPython shows as `figure_text` instead of opening a
+    browser window (plotly's renderer there); in a notebook it is a plain go.Figure."""
+
+    def _ipython_display_(self) -> None:
+        if in_kernel():
+            super()._ipython_display_()
+        else:
+            print(figure_text(self))
+
+
 class StaticHTML:
     """HTML that IPython displays as is (no widget, no JavaScript)."""
 
@@ -97,6 +128,11 @@ class StaticHTML:
 
     def _repr_html_(self) -> str:
         return self.text
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:  # terminal IPython: the text
+        from labkit.views.text import html_to_text
+
+        p.text(html_to_text(self.text))
 
 
 class View(widgets.VBox):
@@ -116,6 +152,18 @@ class View(widgets.VBox):
     def to_html(self) -> str:  # overridden by each view
         return "<div class='labkit-view'></div>"
 
+    def to_text(self) -> str:
+        """The static copy as plain text (terminal IPython, consoles, a saved notebook's text)."""
+        from labkit.views.text import html_to_text
+
+        return html_to_text(self.to_html())
+
+    def __repr__(self) -> str:  # not ipywidgets' `VBox(children=(...))`
+        return self.to_text()
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(self.to_text())
+
     def static(self) -> StaticHTML:
         """The static HTML as a displayable object: `display(view.static())` in a cell keeps a
         readable copy in the saved notebook, which a live widget cannot give after reopening."""
@@ -125,6 +173,7 @@ class View(widgets.VBox):
         # Saved notebooks keep the static HTML beside the widget reference.
         bundle = super()._repr_mimebundle_(**kwargs) or {}
         bundle["text/html"] = self.to_html()
+        bundle["text/plain"] = self.to_text()  # what a frontend without widgets shows
         return bundle
 
     def static_copy_html(self) -> str:

@@ -27,7 +27,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from labkit.views._common import IDLE_COLOUR, title
+from labkit.views._common import IDLE_COLOUR, TextFigure, title
 
 __all__ = [
     "KIND_COLOURS",
@@ -161,7 +161,7 @@ def schedule_figure(events: Iterable[Any], title_text: str = "", unit: str = "ms
         )
     )
     height = 120 + 40 * len(stages)
-    fig = go.Figure(traces)
+    fig = TextFigure(traces)
     fig.update_layout(
         barmode="overlay",
         height=height,
@@ -192,7 +192,7 @@ def plan_figure(
     if not plans:
         raise ValueError("plans must be non-empty")
     scale = 1e3 if unit == "ms" else 1.0
-    fig = go.Figure()
+    fig = TextFigure()
     for i, plan in enumerate(plans):
         method, costs, _ = _plan_fields(plan)
         fig.add_trace(
@@ -242,7 +242,7 @@ def partition_figure(costs: Sequence[Any], plans: Sequence[Any], unit: str = "ms
     names = [c["name"] if isinstance(c, Mapping) else c.name for c in costs]
     scale = 1e3 if unit == "ms" else 1.0
     starts = [sum(times[:i]) * scale for i in range(len(times))]
-    fig = go.Figure()
+    fig = TextFigure()
     methods = []
     num_stages = 0
     for plan in plans:
@@ -300,7 +300,7 @@ def grid_figure(
     rows, cols = shape
     if rows < 1 or cols < 1:
         raise ValueError(f"shape must be two positive ints, got {shape}")
-    fig = go.Figure()
+    fig = TextFigure()
     fig.add_trace(
         go.Scatter(
             x=[r % cols for r in range(rows * cols)],
