@@ -32,6 +32,7 @@ class Scene:
     plots: int = 0  # plotly figures in the captured output: each must have drawn its data
     whole_cell: bool = False  # capture the last cell's input with its output
     raises: bool = False  # the last cell ends in an error (tagged raises-exception)
+    answers: tuple[str, ...] = ()  # typed, in order, into the input boxes the last cell opens
 
 
 WORK = """%%ranks
@@ -50,11 +51,31 @@ x = (torch.arange(12.0).reshape(3, 4) + 12 * rank).to(device)  # each rank its o
 total = x.clone()
 dist.all_reduce(total)"""
 
+PROGRESS = """%%ranks
+import time
+from tqdm.auto import tqdm
+
+for batch in tqdm(range(40 + 20 * rank), desc="train"):
+    time.sleep(0.01)"""
+
+FAILS_ON_RANK_1 = (
+    'lab.run("def f(v):\\n    x = v * 2\\n    return x / (rank - 1)\\n\\nw = 7 + rank\\nf(w)");'
+)
+
 SCENES = [
     Scene("timeline", (WORK, "labkit.show_timeline(lab)"), plots=1),
     Scene("tensors", ("labkit.show_tensors(lab, 'x')",), plots=2),
     Scene("comm", ("labkit.show_comm(lab)",), plots=2),
     Scene("stacks", ("%lab stacks",), expect="--- rank 1 ---", whole_cell=True),
+    Scene("progress", (PROGRESS,), expect="60/60", whole_cell=True),
+    Scene("flight_recorder", ("%lab logs --fr --lines 4",), expect="all_reduce", whole_cell=True),
+    Scene(
+        "debugger",
+        (FAILS_ON_RANK_1, "%lab debug 1"),
+        expect="-> return x / (rank - 1)",
+        whole_cell=True,
+        answers=("p x", "up", "p w", "q"),
+    ),
     Scene(
         "stuck",
         (

@@ -334,6 +334,10 @@ def test_scenes_draw_and_are_captured(jupyter) -> None:
             page.keyboard.press("Control+b")  # hide the file browser: the cells get its width
             step = "scenes run all"
             _run_all(page)
+            for scene, _ in marks:
+                step = f"scene {scene.name}: typing its answers"
+                for answer in scene.answers:  # pdb's prompts come as the notebook's input box
+                    _answer_input(page, answer)
             _wait_all_ran(page, marks[-1][1] + 1, timeout_ms=150_000)
             page.mouse.move(0, 0)  # no hover labels or mode bars in the pictures
             for scene, index in marks:
@@ -358,6 +362,17 @@ def test_scenes_draw_and_are_captured(jupyter) -> None:
             raise
         finally:
             browser.close()
+
+
+def _answer_input(page, text: str) -> None:
+    """Type `text` into the input box a cell opened (input(), pdb on a rank), then wait until
+    that box is answered (JupyterLab replaces it with the line typed)."""
+    box = page.locator(".jp-Stdin-input").first
+    box.wait_for(state="visible", timeout=150_000)
+    handle = box.element_handle()
+    box.fill(text)
+    box.press("Enter")
+    page.wait_for_function("box => !box.isConnected", arg=handle, timeout=60_000)
 
 
 def _wait_plots_drawn(page, area, count: int) -> None:
