@@ -318,7 +318,7 @@ dist.barrier()
 
 
 def test_holistic_trace_analysis_reads_the_per_rank_files(tmp_path) -> None:
-    """HTA (an optional package, not a labkit dependency) loads each rank's file by its rank."""
+    """HTA (in the test extra, not a labkit dependency) loads each rank's file by its rank."""
     hta = pytest.importorskip("hta.trace_analysis", reason="HolisticTraceAnalysis not installed")
     save_trace(_records(), tmp_path, per_rank=True)
     analyzer = hta.TraceAnalysis(trace_dir=str(tmp_path))
