@@ -37,11 +37,13 @@ NOTEBOOK_DEPS = {
     "jupyterlab",
     "nbclient",
     "nbformat",
+    "notebook",
     "scikit-learn",
+    "tqdm",
 }
 BLOCKED = (
     "IPython ipykernel ipywidgets plotly anywidget jupyterlab jupyter_client jupyter_core "
-    "jupyter_server notebook nbclient nbformat sklearn labkit.kernel labkit.views "
+    "jupyter_server notebook nbclient nbformat sklearn tqdm labkit.kernel labkit.views "
     "labkit.exercises labkit.tools"
 ).split()
 
