@@ -34,6 +34,7 @@ __all__ = [
     "profile",
     "flight_recorder",
     "auto_split",
+    "run_command",
     "load_ipython_extension",
     "prewarm",
     "__version__",
@@ -56,6 +57,7 @@ _LAZY = {
     "profile": "labkit.kernel.profiling",
     "flight_recorder": "labkit.kernel.flight_recorder",
     "auto_split": "labkit.parallel.auto_split",
+    "run_command": "labkit.kernel.commands",
 }
 
 
