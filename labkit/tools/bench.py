@@ -5,6 +5,9 @@
 The main table (4 ranks by default; targets in the last column):
 - a no-op `%%ranks` cell through a real kernel, interleaved with the kernel's own no-op cell
   (the floor), median of 50 pairs; target: within 1 ms of the floor;
+- where that time goes: a no-op `lab.run` after 20 ms of quiet (as cells in a notebook come,
+  so the ranks have gone idle) beside an empty message to as many idle plain processes and back
+  over the same sockets (`bench_others.raw_roundtrip`), and `lab.run` back to back;
 - start of the ranks, cold (a fresh process; floor: `import torch`) and with the fork server
   warm (after `%load_ext labkit`); `lab.restart()`;
 - a cell with a 1M-float all_reduce, beside the same all_reduce in plain torch.distributed
@@ -19,8 +22,8 @@ The main table (4 ranks by default; targets in the last column):
 ipyparallel does the same (start, no-op cell, all_reduce cell, pull) in the same run when it is
 installed (`pip install 'labkit[bench]'`); the output says so when it is not.
 
-The scaling table: start, restart, a no-op cell, the all_reduce cell and pull for 2, 4, 8 and
-16 ranks, with the growth from the smallest to the largest.
+The scaling table: start, restart, a no-op cell (back to back, and after 20 ms idle), the
+all_reduce cell and pull for 2, 4, 8 and 16 ranks, with the growth from the smallest to the largest.
 
 Timings on a shared machine are noisy: the load averages are printed before and after; read the
 ratios, and run it twice. `--quick` (ranks 2 and 4, fewer repeats) takes about a minute.
@@ -31,178 +34,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import subprocess
 import sys
 import time
 from typing import Any
 
 from labkit.tools import bench_others
-
-COLD = """
-import time, sys
-t0 = time.perf_counter()
-import labkit
-lab = labkit.Lab({n}, device="cpu")
-t1 = time.perf_counter()
-lab.run("1")
-print(t1 - t0)
-lab.stop()
-"""
-
-
-def _fresh(code: str) -> float:
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        capture_output=True,
-        text=True,
-        check=True,
-        env=dict(os.environ, LABKIT_PREWARM="0"),
-    )
-    return float(out.stdout.strip().splitlines()[-1])
-
-
-def cold_start(n: int) -> tuple[float, float]:
-    torch_import = min(
-        _fresh("import time; t=time.perf_counter(); import torch; print(time.perf_counter()-t)")
-        for _ in range(2)
-    )
-    lab_cold = min(_fresh(COLD.format(n=n)) for _ in range(2))
-    return lab_cold, torch_import
-
-
-def _median_time(fn: Any, k: int) -> float:
-    times = []
-    for _ in range(k):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def copy_floor(nbytes: int) -> float:
-    """Median seconds of a plain copy of `nbytes` in this process (the pull and push floor)."""
-    import torch
-
-    src = torch.randn(nbytes // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    return _median_time(lambda: dst.copy_(src), 7)
-
-
-def scaling(n: int, reps: int) -> dict[str, float]:
-    """One lab of `n` ranks, the fork server warm: start, restart, a no-op cell (lab.run, not
-    through a kernel), a 1M-float all_reduce cell, and pull / push of 16 MiB per rank."""
-    import torch
-
-    import labkit
-    from labkit.kernel import spawn
-
-    spawn.prewarm()
-    spawn._spare.wait_facts()  # type: ignore[union-attr]
-    t0 = time.perf_counter()
-    lab = labkit.Lab(n, device="cpu")
-    start = time.perf_counter() - t0
-    try:
-        restart = _median_time(lab.restart, max(2, reps // 10))
-        lab.run("pass")
-        noop = _median_time(lambda: lab.run("pass"), reps)
-        lab.run(f"t = torch.randn({bench_others.NUMEL}); big = torch.randn(4, 1024, 1024)")
-        lab.run("dist.all_reduce(t)")
-        allreduce = _median_time(lambda: lab.run("dist.all_reduce(t)"), reps)
-        lab.pull("big")
-        pull = _median_time(lambda: lab.pull("big"), max(3, reps // 4))
-        kept: list[Any] = []  # pulls whose results the kernel keeps: fresh segments each time
-        pull_kept = _median_time(lambda: kept.append(lab.pull("big")), 3)
-        kept.clear()
-        x = torch.randn(4, 1024, 1024)
-        push = _median_time(lambda: lab.push(x=x), max(3, reps // 4))
-    finally:
-        lab.stop()
-    return {
-        "start_s": start,
-        "restart_s": restart,
-        "noop_s": noop,
-        "allreduce_s": allreduce,
-        "pull_s": pull,
-        "pull_kept_s": pull_kept,
-        "push_s": push,
-        "copy_s": copy_floor(n * 16 * 2**20),
-    }
-
-
-TRACE_COST = """
-import time, statistics
-t = torch.randn(256 * 1024)  # 1 MiB
-for _ in range(20):
-    dist.all_reduce(t)
-def timed():
-    out = []
-    for _ in range({reps}):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
-timed()
-"""
-
-
-def trace_overhead(n: int, reps: int) -> tuple[float, float]:
-    import labkit
-
-    lab = labkit.Lab(n, device="cpu")
-    on, off = [], []
-    code = TRACE_COST.replace("{reps}", str(reps))
-    for _ in range(3):
-        lab.trace(enabled=True)
-        on.append(statistics.median(lab.run(code).values_by_rank.values()))
-        lab.trace(enabled=False)
-        off.append(statistics.median(lab.run(code).values_by_rank.values()))
-    lab.stop()
-    return min(on), min(off)
-
-
-def kernel_cells(n: int, cells: int, pairs: int) -> dict[str, float]:
-    """No-op cell latency and RSS growth, through a real IPython kernel."""
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-
-        def run(code: str) -> float:
-            t0 = time.perf_counter()
-            reply = kc.execute_interactive(code, timeout=120, output_hook=lambda msg: None)
-            if reply["content"]["status"] != "ok":
-                raise RuntimeError(f"cell failed: {code!r}: {reply['content']}")
-            return time.perf_counter() - t0
-
-        run("%load_ext labkit")
-        run(f"%lab start {n} --device cpu")
-        for _ in range(20):
-            run("pass")
-            run("%%ranks\npass")
-        timed = [(run("pass"), run("%%ranks\npass")) for _ in range(pairs)]
-        own = statistics.median(p[0] for p in timed)
-        ranks = statistics.median(p[1] for p in timed)
-        pid = km.provisioner.process.pid  # type: ignore[union-attr]
-        rss0 = _rss(pid)
-        for _ in range(cells):
-            run("%%ranks\nx = rank")
-        rss1 = _rss(pid)
-        run("%lab stop")
-        return {"own": own, "ranks": ranks, "rss_growth": rss1 - rss0}
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-
-
-def _rss(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+from labkit.tools.bench_labkit import (
+    IDLE_S,
+    cold_start,
+    kernel_cells,
+    scaling,
+    trace_overhead,
+)
 
 
 def _load() -> str:
@@ -251,10 +94,12 @@ def main(argv: list[str] | None = None) -> int:
     rows_n = {m: scaling(m, reps) for m in sorted({*scale, n})}
     main_n = rows_n[n]
     raw = bench_others.raw_allreduce(n, reps * 3)
+    echo = bench_others.raw_roundtrip(n, reps * 3, IDLE_S)
     ipp = None if args.no_ipyparallel else bench_others.ipyparallel_cells(n, reps, 16)
     on, off = trace_overhead(n, 50 if args.quick else 200)
     res.update(kernel=k, cold_start_s=cold, torch_import_s=torch_import, scaling=rows_n)
-    res.update(raw_allreduce_s=raw, ipyparallel=ipp, traced_s=on, untraced_s=off)
+    res.update(raw_allreduce_s=raw, raw_roundtrip_s=echo, ipyparallel=ipp)
+    res.update(traced_s=on, untraced_s=off)
     res["load_after"] = os.getloadavg()
 
     def other(key: str) -> str:
@@ -271,6 +116,22 @@ def main(argv: list[str] | None = None) -> int:
             f"+{extra:.2f} ms",
             other("noop_s"),
             "+1 ms",
+        ),
+        (
+            "no-op lab.run after 20 ms idle",
+            _ms(main_n["noop_idle_s"]),
+            f"{_ms(echo)} zmq echo, {n} idle procs",
+            f"+{(main_n['noop_idle_s'] - echo) * 1e3:.2f} ms",
+            "-",
+            "-",
+        ),
+        (
+            "no-op lab.run back to back",
+            _ms(main_n["noop_s"]),
+            "-",
+            "-",
+            "-",
+            "-",
         ),
         (
             f"start {n} ranks, cold",
@@ -332,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "start (warm)",
         "restart",
         "no-op cell",
+        "after 20 ms idle",
         "all_reduce cell",
         "pull 16 MiB each",
         "pull vs copy",
@@ -342,6 +204,7 @@ def main(argv: list[str] | None = None) -> int:
             _ms(r["start_s"]),
             _ms(r["restart_s"]),
             _ms(r["noop_s"]),
+            _ms(r["noop_idle_s"]),
             _ms(r["allreduce_s"]),
             _ms(r["pull_s"]),
             f"x{r['pull_s'] / r['copy_s']:.2f}",
@@ -357,8 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     print(
         "floors: `import torch` in a fresh process; the kernel's own no-op cell; the same "
         "all_reduce in plain torch.distributed processes (gloo, same threads per rank); a copy "
-        "of the same bytes in this process. Medians; no-op cells through a real kernel are "
-        "interleaved pairs, the scaling table's cells go through lab.run."
+        "of the same bytes in this process; an empty message to as many idle plain processes "
+        "and back (zmq, ipc). Medians; no-op cells through a real kernel are interleaved "
+        "pairs, the scaling table's cells go through lab.run."
     )
     if ipp:
         print(f"ipyparallel {ipp['version']}: {n} engines started in this run.")

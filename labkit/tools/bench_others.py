@@ -2,6 +2,9 @@
 
 - `raw_allreduce`: the same all_reduce in plain torch.distributed processes (gloo, the thread
   budget labkit gives its ranks), timed inside the processes: the floor of a collective cell;
+- `raw_roundtrip`: an empty message to `n` idle plain Python processes and back, over the same
+  kind of sockets as labkit's (a zmq ROUTER on ipc, one DEALER per process): the floor of a
+  no-op cell once the processes have gone idle;
 - `ipyparallel_cells`: ipyparallel's engines doing the same work from the same process
   (start, a no-op cell, the collective cell, a pull), when ipyparallel is installed
   (`pip install labkit[bench]`); None when it is not.
@@ -68,6 +71,59 @@ def raw_allreduce(n: int, reps: int) -> float:
     if any(p.returncode for p in procs):
         raise RuntimeError(f"the raw torch.distributed processes failed: {outs}")
     return float(outs[0].strip().splitlines()[-1])
+
+
+ECHO = textwrap.dedent("""
+    import sys, zmq
+    sock = zmq.Context().socket(zmq.DEALER)
+    sock.connect(sys.argv[1])
+    sock.send(b"hello")
+    while (msg := sock.recv()) != b"exit":
+        sock.send(msg)
+""")
+
+
+def raw_roundtrip(n: int, reps: int, idle: float) -> float:
+    """Median seconds to send an empty message to `n` plain processes and get every echo back,
+    each time after `idle` seconds of quiet (no torch, no signing, no Python work per message
+    beyond pyzmq's)."""
+    import tempfile
+
+    import zmq
+
+    with tempfile.TemporaryDirectory(prefix="labkit-bench-") as tmp:
+        endpoint = f"ipc://{tmp}/echo"
+        router = zmq.Context.instance().socket(zmq.ROUTER)
+        router.bind(endpoint)
+        procs = [subprocess.Popen([sys.executable, "-c", ECHO, endpoint]) for _ in range(n)]
+        try:
+            poller = zmq.Poller()
+            poller.register(router, zmq.POLLIN)
+            ids = []
+            for _ in range(n):
+                if not poller.poll(120_000):
+                    raise RuntimeError("the echo processes did not start in 120 s")
+                ids.append(router.recv_multipart()[0])
+            times = []
+            for _ in range(reps):
+                time.sleep(idle)
+                t0 = time.perf_counter()
+                for ident in ids:
+                    router.send_multipart([ident, b""])
+                for _ in ids:
+                    router.recv_multipart()
+                times.append(time.perf_counter() - t0)
+            for ident in ids:
+                router.send_multipart([ident, b"exit"])
+        finally:
+            for p in procs:
+                try:
+                    p.wait(timeout=10)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            router.close(linger=0)
+    return statistics.median(times)
 
 
 def ipyparallel_cells(n: int, reps: int, pull_mb: int) -> dict[str, Any] | None:

@@ -1,0 +1,193 @@
+"""labkit's own figures for the benchmark: start, cells, pull and push, tracing's cost and the
+kernel's memory, each timed through labkit (runs in a shell, from `labkit.tools.bench`)."""
+
+from __future__ import annotations
+
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+from labkit.tools import bench_others
+
+IDLE_S = 0.02  # the quiet before each "after idle" no-op cell
+
+COLD = """
+import time, sys
+t0 = time.perf_counter()
+import labkit
+lab = labkit.Lab({n}, device="cpu")
+t1 = time.perf_counter()
+lab.run("1")
+print(t1 - t0)
+lab.stop()
+"""
+
+
+def _fresh(code: str) -> float:
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env=dict(os.environ, LABKIT_PREWARM="0"),
+    )
+    return float(out.stdout.strip().splitlines()[-1])
+
+
+def cold_start(n: int) -> tuple[float, float]:
+    torch_import = min(
+        _fresh("import time; t=time.perf_counter(); import torch; print(time.perf_counter()-t)")
+        for _ in range(2)
+    )
+    lab_cold = min(_fresh(COLD.format(n=n)) for _ in range(2))
+    return lab_cold, torch_import
+
+
+def _median_after_idle(fn: Any, k: int, idle: float) -> float:
+    """Median seconds of `fn()`, each call after `idle` s of quiet (the sleep is not timed)."""
+    times = []
+    for _ in range(k):
+        time.sleep(idle)
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _median_time(fn: Any, k: int) -> float:
+    times = []
+    for _ in range(k):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def copy_floor(nbytes: int) -> float:
+    """Median seconds of a plain copy of `nbytes` in this process (the pull and push floor)."""
+    import torch
+
+    src = torch.randn(nbytes // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    return _median_time(lambda: dst.copy_(src), 7)
+
+
+def scaling(n: int, reps: int) -> dict[str, float]:
+    """One lab of `n` ranks, the fork server warm: start, restart, a no-op cell (lab.run, not
+    through a kernel), a 1M-float all_reduce cell, and pull / push of 16 MiB per rank."""
+    import torch
+
+    import labkit
+    from labkit.kernel import spawn
+
+    spawn.prewarm()
+    spawn._spare.wait_facts()  # type: ignore[union-attr]
+    t0 = time.perf_counter()
+    lab = labkit.Lab(n, device="cpu")
+    start = time.perf_counter() - t0
+    try:
+        restart = _median_time(lab.restart, max(2, reps // 10))
+        lab.run("pass")
+        noop = _median_time(lambda: lab.run("pass"), reps)
+        noop_idle = _median_after_idle(lambda: lab.run("pass"), reps, IDLE_S)
+        lab.run(f"t = torch.randn({bench_others.NUMEL}); big = torch.randn(4, 1024, 1024)")
+        lab.run("dist.all_reduce(t)")
+        allreduce = _median_time(lambda: lab.run("dist.all_reduce(t)"), reps)
+        lab.pull("big")
+        pull = _median_time(lambda: lab.pull("big"), max(3, reps // 4))
+        kept: list[Any] = []  # pulls whose results the kernel keeps: fresh segments each time
+        pull_kept = _median_time(lambda: kept.append(lab.pull("big")), 3)
+        kept.clear()
+        x = torch.randn(4, 1024, 1024)
+        push = _median_time(lambda: lab.push(x=x), max(3, reps // 4))
+    finally:
+        lab.stop()
+    return {
+        "start_s": start,
+        "restart_s": restart,
+        "noop_s": noop,
+        "noop_idle_s": noop_idle,
+        "allreduce_s": allreduce,
+        "pull_s": pull,
+        "pull_kept_s": pull_kept,
+        "push_s": push,
+        "copy_s": copy_floor(n * 16 * 2**20),
+    }
+
+
+TRACE_COST = """
+import time, statistics
+t = torch.randn(256 * 1024)  # 1 MiB
+for _ in range(20):
+    dist.all_reduce(t)
+def timed():
+    out = []
+    for _ in range({reps}):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(t)
+        out.append(time.perf_counter() - t0)
+    return statistics.median(out)
+timed()
+"""
+
+
+def trace_overhead(n: int, reps: int) -> tuple[float, float]:
+    import labkit
+
+    lab = labkit.Lab(n, device="cpu")
+    on, off = [], []
+    code = TRACE_COST.replace("{reps}", str(reps))
+    for _ in range(3):
+        lab.trace(enabled=True)
+        on.append(statistics.median(lab.run(code).values_by_rank.values()))
+        lab.trace(enabled=False)
+        off.append(statistics.median(lab.run(code).values_by_rank.values()))
+    lab.stop()
+    return min(on), min(off)
+
+
+def kernel_cells(n: int, cells: int, pairs: int) -> dict[str, float]:
+    """No-op cell latency and RSS growth, through a real IPython kernel."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+
+        def run(code: str) -> float:
+            t0 = time.perf_counter()
+            reply = kc.execute_interactive(code, timeout=120, output_hook=lambda msg: None)
+            if reply["content"]["status"] != "ok":
+                raise RuntimeError(f"cell failed: {code!r}: {reply['content']}")
+            return time.perf_counter() - t0
+
+        run("%load_ext labkit")
+        run(f"%lab start {n} --device cpu")
+        for _ in range(20):
+            run("pass")
+            run("%%ranks\npass")
+        timed = [(run("pass"), run("%%ranks\npass")) for _ in range(pairs)]
+        own = statistics.median(p[0] for p in timed)
+        ranks = statistics.median(p[1] for p in timed)
+        pid = km.provisioner.process.pid  # type: ignore[union-attr]
+        rss0 = _rss(pid)
+        for _ in range(cells):
+            run("%%ranks\nx = rank")
+        rss1 = _rss(pid)
+        run("%lab stop")
+        return {"own": own, "ranks": ranks, "rss_growth": rss1 - rss0}
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _rss(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
