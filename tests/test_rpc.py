@@ -74,6 +74,7 @@ class Counter:
         self.n += k
         return self.n
 
+dist.barrier()  # every rank has defined whoami before any rank calls it
 right = (rank + 1) % world_size
 called = rpc.rpc_sync(f"worker{right}", whoami, args=(torch.tensor([rank]),))
 """
