@@ -22,6 +22,10 @@ The main table (4 ranks by default; targets in the last column):
 ipyparallel does the same (start, no-op cell, all_reduce cell, pull) in the same run when it is
 installed (`pip install 'labkit[bench]'`); the output says so when it is not.
 
+Where a cell's time goes (`bench_labkit.dispatch`): for a no-op cell back to back and after
+20 ms idle, and the all_reduce cell after idle, when the first and last rank began it, the op
+after the last began, the reply, and the CPU per cell of the kernel's thread and of each rank.
+
 The scaling table: start, restart, a no-op cell (back to back, and after 20 ms idle), the
 all_reduce cell and pull for 2, 4, 8 and 16 ranks, with the growth from the smallest to the largest.
 
@@ -42,6 +46,7 @@ from labkit.tools import bench_others
 from labkit.tools.bench_labkit import (
     IDLE_S,
     cold_start,
+    dispatch,
     kernel_cells,
     scaling,
     trace_overhead,
@@ -95,10 +100,11 @@ def main(argv: list[str] | None = None) -> int:
     main_n = rows_n[n]
     raw = bench_others.raw_allreduce(n, reps * 3)
     echo = bench_others.raw_roundtrip(n, reps * 3, IDLE_S)
+    where = dispatch(n, reps * 3)
     ipp = None if args.no_ipyparallel else bench_others.ipyparallel_cells(n, reps, 16)
     on, off = trace_overhead(n, 50 if args.quick else 200)
     res.update(kernel=k, cold_start_s=cold, torch_import_s=torch_import, scaling=rows_n)
-    res.update(raw_allreduce_s=raw, raw_roundtrip_s=echo, ipyparallel=ipp)
+    res.update(raw_allreduce_s=raw, raw_roundtrip_s=echo, dispatch=where, ipyparallel=ipp)
     res.update(traced_s=on, untraced_s=off)
     res["load_after"] = os.getloadavg()
 
@@ -212,6 +218,35 @@ def main(argv: list[str] | None = None) -> int:
         for m, r in sorted(rows_n.items())
     ]
     print(_table(shead, srows))
+    print()
+    dhead = (
+        "cell",
+        "first rank began",
+        "last began",
+        "op after last",
+        "reply",
+        "kernel CPU",
+        "CPU per rank",
+    )
+    drows = [
+        (
+            name,
+            *(
+                f"{d[k] * 1e3:.2f} ms"
+                for k in (
+                    "first_begin_s",
+                    "last_begin_s",
+                    "op_after_last_s",
+                    "reply_s",
+                    "kernel_cpu_s",
+                    "rank_cpu_s",
+                )
+            ),
+        )
+        for name, d in where.items()
+    ]
+    print(f"where a cell's time goes ({n} ranks, lab.run; times after the kernel began lab.run):")
+    print(_table(dhead, drows))
     lo, hi = min(rows_n), max(rows_n)
     for key, what in (("start_s", "start"), ("noop_s", "no-op cell"), ("pull_s", "pull")):
         growth = rows_n[hi][key] / rows_n[lo][key]

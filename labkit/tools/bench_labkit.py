@@ -191,3 +191,54 @@ def _rss(pid: int) -> float:
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) / 1024
     return float("nan")
+
+
+STAMPED = {  # a cell that returns when it began and ended on the rank (one clock per machine)
+    "no-op": "_began = time.monotonic()\n(_began, time.monotonic())",
+    "all_reduce": "_began = time.monotonic()\ndist.all_reduce(t)\n(_began, time.monotonic())",
+}
+
+
+def dispatch(n: int, reps: int) -> dict[str, dict[str, float]]:
+    """Where a cell's time goes, on `n` ranks: for a no-op cell (back to back, and after
+    IDLE_S of quiet) and the all_reduce cell (after quiet), medians over `reps` cells of: when
+    the first and the last rank began the cell (after the kernel began `lab.run`), how long the
+    op ran after the last rank began it, the reply (last rank's end to `lab.run` returning), and
+    the CPU each cell cost the kernel's thread and each rank's process (all its threads)."""
+    import labkit
+
+    lab = labkit.Lab(n, device="cpu")
+    out: dict[str, dict[str, float]] = {}
+    try:
+        lab.run(f"import time\nt = torch.randn({bench_others.NUMEL})\ndist.all_reduce(t)")
+        for name, idle, what in (
+            ("no-op, back to back", 0.0, "no-op"),
+            (f"no-op, after {IDLE_S * 1e3:.0f} ms idle", IDLE_S, "no-op"),
+            (f"all_reduce, after {IDLE_S * 1e3:.0f} ms idle", IDLE_S, "all_reduce"),
+        ):
+            rows, cpu0 = [], lab.run("time.process_time()").values_by_rank
+            kernel_cpu = 0.0
+            for _ in range(reps):
+                time.sleep(idle)
+                c0, k0 = time.thread_time(), time.monotonic()
+                got = lab.run(STAMPED[what]).values_by_rank  # (began, ended) per rank
+                k1 = time.monotonic()
+                kernel_cpu += time.thread_time() - c0
+                begins = sorted(v[0] for v in got.values())
+                ends = [v[1] for v in got.values()]
+                rows.append(
+                    (begins[0] - k0, begins[-1] - k0, max(ends) - begins[-1], k1 - max(ends))
+                )
+            cpu1 = lab.run("time.process_time()").values_by_rank
+            med = [statistics.median(r[i] for r in rows) for i in range(4)]
+            out[name] = {
+                "first_begin_s": med[0],
+                "last_begin_s": med[1],
+                "op_after_last_s": med[2],
+                "reply_s": med[3],
+                "kernel_cpu_s": kernel_cpu / reps,
+                "rank_cpu_s": statistics.median((cpu1[r] - cpu0[r]) / (reps + 1) for r in cpu0),
+            }
+    finally:
+        lab.stop()
+    return out
