@@ -62,3 +62,48 @@ def test_unsigned_pickle_rejected(tmp_path):
     with pytest.raises(AuthenticationError):
         Codec(os.urandom(32)).decode([b"\0" * 32, pickle.dumps(Boom(str(path)))])
     assert not path.exists()
+
+
+def test_plain_messages_skip_cloudpickle_and_the_rest_fall_back(monkeypatch):
+    from labkit.wire import codec as wire
+
+    used = []
+    real = wire._Pickler.__init__
+
+    def counting(self, *args, **kwargs):
+        used.append(True)
+        real(self, *args, **kwargs)
+
+    monkeypatch.setattr(wire._Pickler, "__init__", counting)
+    c = Codec(new_key())
+    small = torch.arange(6.0).view(2, 3).t().requires_grad_()
+    out = c.decode(c.encode({"type": "done", "id": 3, "v": [1, 2.5, "x", None, (small,)]}))
+    assert not used, "a message of plain values and a small tensor went through cloudpickle"
+    got = out["v"][4][0]
+    assert got.dtype == small.dtype and got.requires_grad and torch.equal(got, small.detach())
+
+    def double(x):  # defined here, as a cell defines it: cloudpickle carries it by value
+        return 2 * x
+
+    out = c.decode(c.encode({"type": "exec", "fn": double, "s": torch.Size([2])}))
+    assert used and out["fn"](21) == 42 and out["s"] == torch.Size([2])
+
+
+@pytest.mark.parametrize("numel", [10, 100_000], ids=["blake2b", "poly1305"])
+def test_every_byte_is_covered_by_the_tag(numel):
+    codec = Codec(new_key())
+    frames = codec.encode({"x": torch.ones(numel), "note": "a" * 50})
+    assert (sum(memoryview(f).nbytes for f in frames[1:]) <= 64 * 1024) == (numel == 10)
+    for i in (1, 2):
+        for at in (0, memoryview(frames[i]).nbytes - 1):
+            bad = [bytes(memoryview(f).cast("B")) for f in frames]
+            broken = bytearray(bad[i])
+            broken[at] ^= 1
+            bad[i] = bytes(broken)
+            with pytest.raises(AuthenticationError):
+                Codec(codec.key).decode(bad)
+    # moving a byte from the buffer to the header keeps the bytes but not the lengths
+    moved = [frames[0], bytes(frames[1]) + bytes(memoryview(frames[2])[:1]), frames[2][1:]]
+    with pytest.raises(AuthenticationError):
+        Codec(codec.key).decode(moved)
+    assert torch.equal(Codec(codec.key).decode(frames)["x"], torch.ones(numel))

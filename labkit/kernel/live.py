@@ -16,6 +16,7 @@ the cell, when ranks died, a Restart button (a real widget, which works then) re
 from __future__ import annotations
 
 import html
+import sys
 import time
 from typing import Any
 
@@ -52,11 +53,10 @@ def status_html(states: list[CellState], elapsed: float) -> str:
 
 
 def _ipython() -> Any:
-    try:
-        from IPython import get_ipython
-    except ImportError:
+    ipython = sys.modules.get("IPython")  # not imported: no kernel (and no import per cell)
+    if ipython is None:
         return None
-    shell = get_ipython()
+    shell = ipython.get_ipython()
     return shell if shell is not None and hasattr(shell, "kernel") else None
 
 

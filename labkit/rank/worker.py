@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import builtins
 import faulthandler
+import gc
 import os
 import signal
 import socket
@@ -136,6 +137,9 @@ class Rank(SideChannel):
         self.ns = self._namespace(torch, dist)
         if cfg.threads is not None:
             torch.set_num_threads(cfg.threads)
+        # torch's ~170,000 objects live as long as the rank: keep them out of the collector,
+        # whose full collections scanned them all (~100 ms, a pause in some cell)
+        gc.freeze()
         self.reply(
             Hello(
                 type="hello",

@@ -6,10 +6,17 @@ A message is a dict. On the wire it is a ZeroMQ multipart message:
 
 - `header` is the dict pickled with protocol 5; tensors and numpy arrays inside it are pickled
   out of band, so their bytes travel as raw `buffer_i` frames (no copy into a byte string).
-- `signature` is a 16-byte nonce followed by a Poly1305 tag over the length and bytes of
-  every other frame. Poly1305's one-time key is HMAC-SHA256(lab key, nonce), the lab key being
-  32 random bytes known only to the kernel and its ranks. (Poly1305 runs at several GB/s, so
-  signing a 16 MB tensor costs a few milliseconds; HMAC-SHA256 alone would cost ~10.)
+  A message of plain values (dicts, lists, str, numbers; tensors that travel as frames) is
+  pickled by the C pickler alone; one with anything else (a function or class from a cell, a
+  user's object) by cloudpickle, which carries what was defined in a cell by value.
+- `signature` is a 16-byte nonce followed by a 16-byte tag over the length and bytes of every
+  other frame, made with the lab key (32 random bytes known only to the kernel and its ranks).
+  A message of up to `SMALL_BYTES` (every request and reply without a large value) is tagged
+  with keyed BLAKE2b(nonce + frames), a MAC by design and CPython's own C code: the cheapest
+  path for the messages every cell sends. A larger one gets a Poly1305 tag whose one-time key
+  is HMAC-SHA256(lab key, nonce): Poly1305 runs at several GB/s, so signing a 16 MB tensor
+  costs a few milliseconds (HMAC-SHA256 or BLAKE2b alone would cost ~10-20). Both sides pick
+  the scheme from the frames' total size, which the tag covers.
   `Codec.decode` checks the tag (constant-time compare) before anything is unpickled; a message
   that fails is rejected with `AuthenticationError` and never unpickled.
 - The nonce is the sender's random 8-byte id (new in each `Codec` and each process) and its
@@ -49,6 +56,7 @@ from labkit.wire import shm
 KEY_BYTES = 32
 NONCE_BYTES = 16
 SENDER_BYTES = 8
+SMALL_BYTES = 64 * 1024  # messages up to this size are tagged with keyed BLAKE2b
 REPLAY_WINDOW = 4096  # messages a sender may send between two that arrive out of order
 MAX_SENDERS = 256  # senders remembered (the least recently heard of is forgotten first)
 
@@ -81,8 +89,67 @@ def _rebuild_tensor(
     return t.requires_grad_(requires_grad) if requires_grad else t
 
 
+def _reduce_tensor(pickler: Any, obj: Any, torch: Any) -> Any:
+    """A tensor as (dtype, shape, raw bytes out of band), always on the CPU, or (with the
+    pickler's `shm_dir`, `shm.MIN_BYTES` or more) through a shared-memory segment."""
+    t = obj.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_sparse or t.is_quantized or t.layout != torch.strided:
+        return NotImplemented
+    t = t.contiguous()
+    dtype = str(t.dtype).removeprefix("torch.")
+    is_param = type(obj) is not torch.Tensor
+    nbytes = t.numel() * t.element_size()
+    if pickler.shm_dir is not None and nbytes >= shm.MIN_BYTES:
+        if isinstance(pickler, _PlainPickler):  # segments are written once, by cloudpickle's
+            raise _NotPlain
+        raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
+        recycle = False
+        try:
+            if pickler.pool is not None:
+                path, recycle = pickler.pool.write(pickler.shm_dir, raw)
+            else:
+                path = shm.write(pickler.shm_dir, raw)
+        except OSError:  # /dev/shm full or gone: the socket still works
+            path = None
+        if path is not None:
+            if pickler.kept is not None:
+                pickler.kept.append(path)
+            unlink = pickler.kept is None
+            shape = tuple(t.shape)
+            args = (path, nbytes, dtype, shape, obj.requires_grad, is_param, unlink)
+            return shm.rebuild_tensor, (*args, recycle) if recycle else args
+    raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
+    buf = pickle.PickleBuffer(raw) if t.numel() else b""
+    return _rebuild_tensor, (buf, dtype, tuple(t.shape), obj.requires_grad, is_param)
+
+
+class _NotPlain(Exception):
+    """The message holds something the C pickler alone should not pickle."""
+
+
+class _PlainPickler(pickle.Pickler):
+    """The C pickler for messages of plain values: the C code handles dicts, lists, tuples,
+    str, bytes and numbers without calling back; a tensor that travels as a frame is reduced
+    here; anything else (a function or class from a cell, a user's object, a tensor bound for
+    shared memory) raises `_NotPlain`, and the message goes to `_Pickler` instead."""
+
+    shm_dir: str | None = None
+
+    def reducer_override(self, obj: Any) -> Any:
+        if obj is _rebuild_tensor:  # what a reduced tensor names: pickled by reference
+            return NotImplemented
+        torch = _torch_if_loaded()
+        if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
+            reduced = _reduce_tensor(self, obj, torch)
+            if reduced is not NotImplemented:
+                return reduced
+        raise _NotPlain
+
+
 class _Pickler(cloudpickle.Pickler):
-    """Pickles tensors as (dtype, shape, raw bytes out of band), always on the CPU.
+    """cloudpickle, with tensors reduced by `_reduce_tensor`.
 
     cloudpickle carries functions and classes defined in a cell by value. With `shm_dir`, a
     tensor of `shm.MIN_BYTES` or more is written into a shared-memory segment there instead.
@@ -104,35 +171,9 @@ class _Pickler(cloudpickle.Pickler):
     def reducer_override(self, obj: Any) -> Any:
         torch = _torch_if_loaded()
         if torch is not None and type(obj) in (torch.Tensor, torch.nn.Parameter):
-            t = obj.detach()
-            if t.device.type != "cpu":
-                t = t.cpu()
-            if t.is_sparse or t.is_quantized or t.layout != torch.strided:
-                return NotImplemented
-            t = t.contiguous()
-            dtype = str(t.dtype).removeprefix("torch.")
-            is_param = type(obj) is not torch.Tensor
-            nbytes = t.numel() * t.element_size()
-            if self.shm_dir is not None and nbytes >= shm.MIN_BYTES:
-                raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-                recycle = False
-                try:
-                    if self.pool is not None:
-                        path, recycle = self.pool.write(self.shm_dir, raw)
-                    else:
-                        path = shm.write(self.shm_dir, raw)
-                except OSError:  # /dev/shm full or gone: the socket still works
-                    path = None
-                if path is not None:
-                    if self.kept is not None:
-                        self.kept.append(path)
-                    unlink = self.kept is None
-                    shape = tuple(t.shape)
-                    args = (path, nbytes, dtype, shape, obj.requires_grad, is_param, unlink)
-                    return shm.rebuild_tensor, (*args, recycle) if recycle else args
-            raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
-            buf = pickle.PickleBuffer(raw) if t.numel() else b""
-            return _rebuild_tensor, (buf, dtype, tuple(t.shape), obj.requires_grad, is_param)
+            reduced = _reduce_tensor(self, obj, torch)
+            if reduced is not NotImplemented:
+                return reduced
         return super().reducer_override(obj)
 
 
@@ -152,6 +193,13 @@ def dumps(
 ) -> tuple[bytes, list[pickle.PickleBuffer]]:
     buffers: list[pickle.PickleBuffer] = []
     out = io.BytesIO()
+    plain = _PlainPickler(out, protocol=5, buffer_callback=buffers.append)
+    plain.shm_dir = shm_dir
+    try:
+        plain.dump(obj)
+        return out.getvalue(), buffers
+    except _NotPlain:
+        buffers, out = [], io.BytesIO()
     _Pickler(
         out, protocol=5, buffer_callback=buffers.append, shm_dir=shm_dir, kept=kept, pool=pool
     ).dump(obj)
@@ -205,9 +253,12 @@ class Codec:
             return True
 
     def _sign(self, frames: list[Any], nonce: bytes) -> bytes:
-        mac = Poly1305(hmac.new(self.key, nonce, hashlib.sha256).digest())
-        for frame in frames:
-            view = memoryview(frame).cast("B")
+        views = [memoryview(frame).cast("B") for frame in frames]
+        if sum(v.nbytes for v in views) <= SMALL_BYTES:
+            data = b"".join(b for v in views for b in (v.nbytes.to_bytes(8, "little"), v))
+            return nonce + hashlib.blake2b(nonce + data, key=self.key, digest_size=16).digest()
+        mac = Poly1305(hmac.digest(self.key, nonce, "sha256"))
+        for view in views:
             mac.update(view.nbytes.to_bytes(8, "little"))
             mac.update(view)
         return nonce + mac.finalize()
