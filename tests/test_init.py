@@ -56,3 +56,15 @@ def test_prewarm_starts_a_fork_server():
     counts = _probe("prewarm")
     assert counts["imported"][0] == counts["before"][0], counts
     assert counts["prewarmed"][0] == counts["before"][0] + 1, counts
+
+
+def test_fork_server_says_when_its_warm_up_is_done():
+    from labkit.kernel import spawn
+
+    server = spawn.ForkServer()
+    try:
+        server.wait_facts()
+        assert server.wait_warm(timeout=90), server.read_log()
+    finally:
+        server.close()
+    assert not server.alive()

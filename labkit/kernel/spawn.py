@@ -49,6 +49,7 @@ class ForkServer:
             start_new_session=True,
         )
         self.facts: ServerHello | None = None
+        self.warm = False  # its warm-up imports (labkit.rank.fork_server.warm_up) are done
         self.spawned: dict[tuple[int, int], int] = {}  # (gen, rank) -> pid
         self.exited: dict[int, int] = {}  # pid -> exit code (negative: signal)
         self.on_exit: Callable[[int, int | None, int], None] | None = None
@@ -73,6 +74,8 @@ class ForkServer:
                 self.spawned[(msg["gen"], msg["rank"])] = msg["pid"]
             elif msg["type"] == "exited":
                 self.exited[msg["pid"]] = msg["code"]
+            elif msg["type"] == "warm":
+                self.warm = True
             self.cond.notify_all()
         if msg["type"] == "exited" and self.on_exit is not None:
             self.on_exit(msg["pid"], msg["rank"], msg["code"])
@@ -93,6 +96,16 @@ class ForkServer:
                     raise TimeoutError(f"the labkit fork server did not start in {timeout:.0f} s")
                 self.cond.wait(min(left, 0.1))
         return self.facts
+
+    def wait_warm(self, timeout: float = 60.0) -> bool:
+        """Wait until the server's one-off warm-up (it imports torch._dynamo once it has been
+        idle a moment) is done, so it no longer takes a core; False if it is not by `timeout`
+        (the benchmark waits, so the import does not land in its timings)."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while not self.warm and self.alive() and time.monotonic() < deadline:
+                self.cond.wait(0.1)
+            return self.warm
 
     def read_log(self) -> str:
         with open(self.log_path, "rb") as f:

@@ -37,7 +37,7 @@ from labkit.rank.capture import MARKER
 from labkit.wire import shm
 from labkit.wire.config import RankConfig
 from labkit.wire.logfile import log_path
-from labkit.wire.messages import Exited, ServerHello, ServerToKernel, Spawned
+from labkit.wire.messages import Exited, ServerHello, ServerToKernel, Spawned, Warm
 
 PR_SET_PDEATHSIG = 1
 
@@ -190,6 +190,7 @@ class Server:
             if not ready and not warmed:
                 warm_up()
                 warmed = True
+                self.say(Warm(type="warm"))
             if self.wake_r in ready:
                 os.read(self.wake_r, 4096)
             self.reap()

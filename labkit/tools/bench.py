@@ -11,8 +11,8 @@ The main table (4 ranks by default; targets in the last column):
 - start of the ranks, cold (a fresh process; floor: `import torch`) and with the fork server
   warm (after `%load_ext labkit`); `lab.restart()`;
 - a cell with a 1M-float all_reduce, beside the same all_reduce in plain torch.distributed
-  processes (the floor, `bench_others.raw_allreduce`); target: x1.3, and no slower than
-  ipyparallel's;
+  processes (the floor, `bench_others.RawAllreduce`), timed in alternating blocks so both see
+  the same load (`bench_labkit.collective`); target: x1.3, and no slower than ipyparallel's;
 - pull and push of 16 MiB per rank (large tensors go through /dev/shm, `labkit.wire.shm`),
   beside a copy of the same bytes in this process; target: x2.5. Pull twice: results dropped
   at once (the ranks reuse their segments) and results kept (each pull writes fresh pages);
@@ -29,6 +29,7 @@ after the last began, the reply, and the CPU per cell of the kernel's thread and
 The scaling table: start, restart, a no-op cell (back to back, and after 20 ms idle), the
 all_reduce cell and pull for 2, 4, 8 and 16 ranks, with the growth from the smallest to the largest.
 
+Every lab is timed once its fork server's one-off warm-up import is done (`settled`).
 Timings on a shared machine are noisy: the load averages are printed before and after; read the
 ratios, and run it twice. `--quick` (ranks 2 and 4, fewer repeats) takes about a minute.
 """
@@ -46,6 +47,7 @@ from labkit.tools import bench_others
 from labkit.tools.bench_labkit import (
     IDLE_S,
     cold_start,
+    collective,
     dispatch,
     kernel_cells,
     scaling,
@@ -98,13 +100,19 @@ def main(argv: list[str] | None = None) -> int:
     cold, torch_import = cold_start(n)
     rows_n = {m: scaling(m, reps) for m in sorted({*scale, n})}
     main_n = rows_n[n]
-    raw = bench_others.raw_allreduce(n, reps * 3)
+    cell, raw = collective(n, 6, reps)
     echo = bench_others.raw_roundtrip(n, reps * 3, IDLE_S)
     where = dispatch(n, reps * 3)
     ipp = None if args.no_ipyparallel else bench_others.ipyparallel_cells(n, reps, 16)
     on, off = trace_overhead(n, 50 if args.quick else 200)
     res.update(kernel=k, cold_start_s=cold, torch_import_s=torch_import, scaling=rows_n)
-    res.update(raw_allreduce_s=raw, raw_roundtrip_s=echo, dispatch=where, ipyparallel=ipp)
+    res.update(
+        allreduce_cell_s=cell,
+        raw_allreduce_s=raw,
+        raw_roundtrip_s=echo,
+        dispatch=where,
+        ipyparallel=ipp,
+    )
     res.update(traced_s=on, untraced_s=off)
     res["load_after"] = os.getloadavg()
 
@@ -151,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         ("restart()", _ms(main_n["restart_s"]), "-", "-", "-", "-"),
         (
             "1M-float all_reduce cell",
-            _ms(main_n["allreduce_s"]),
+            _ms(cell),
             f"{_ms(raw)} raw torch.distributed",
-            f"x{main_n['allreduce_s'] / raw:.2f}",
+            f"x{cell / raw:.2f}",
             other("allreduce_s"),
             "x1.3, <= ipyparallel",
         ),

@@ -14,6 +14,15 @@ from labkit.tools import bench_others
 
 IDLE_S = 0.02  # the quiet before each "after idle" no-op cell
 
+
+def settled(lab: Any) -> Any:
+    """`lab`, once its fork server's one-off warm-up import (torch._dynamo, 1-2 s of a core,
+    soon after a start) is done: timings taken during it measure the import, not the lab."""
+    if lab.server is not None:
+        lab.server.wait_warm()
+    return lab
+
+
 COLD = """
 import time, sys
 t0 = time.perf_counter()
@@ -89,6 +98,7 @@ def scaling(n: int, reps: int) -> dict[str, float]:
     t0 = time.perf_counter()
     lab = labkit.Lab(n, device="cpu")
     start = time.perf_counter() - t0
+    settled(lab)
     try:
         restart = _median_time(lab.restart, max(2, reps // 10))
         lab.run("pass")
@@ -119,6 +129,28 @@ def scaling(n: int, reps: int) -> dict[str, float]:
     }
 
 
+def collective(n: int, blocks: int, reps: int) -> tuple[float, float]:
+    """Medians of the 1M-float all_reduce cell (`lab.run`, back to back) and of the same
+    all_reduce in plain torch.distributed processes, timed in `blocks` alternating blocks of
+    `reps`, so a change in the machine's load falls on both (the idle side blocks in a read)."""
+    import labkit
+
+    cell, raw = [], []
+    lab = settled(labkit.Lab(n, device="cpu"))
+    try:
+        with bench_others.RawAllreduce(n) as plain:
+            lab.run(f"t = torch.randn({bench_others.NUMEL})\ndist.all_reduce(t)")
+            for _ in range(blocks):
+                raw += plain.times(reps)
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    lab.run("dist.all_reduce(t)")
+                    cell.append(time.perf_counter() - t0)
+    finally:
+        lab.stop()
+    return statistics.median(cell), statistics.median(raw)
+
+
 TRACE_COST = """
 import time, statistics
 t = torch.randn(256 * 1024)  # 1 MiB
@@ -139,7 +171,7 @@ timed()
 def trace_overhead(n: int, reps: int) -> tuple[float, float]:
     import labkit
 
-    lab = labkit.Lab(n, device="cpu")
+    lab = settled(labkit.Lab(n, device="cpu"))
     on, off = [], []
     code = TRACE_COST.replace("{reps}", str(reps))
     for _ in range(3):
@@ -167,6 +199,7 @@ def kernel_cells(n: int, cells: int, pairs: int) -> dict[str, float]:
 
         run("%load_ext labkit")
         run(f"%lab start {n} --device cpu")
+        run("lab.server.wait_warm()")
         for _ in range(20):
             run("pass")
             run("%%ranks\npass")
@@ -207,7 +240,7 @@ def dispatch(n: int, reps: int) -> dict[str, dict[str, float]]:
     the CPU each cell cost the kernel's thread and each rank's process (all its threads)."""
     import labkit
 
-    lab = labkit.Lab(n, device="cpu")
+    lab = settled(labkit.Lab(n, device="cpu"))
     out: dict[str, dict[str, float]] = {}
     try:
         lab.run(f"import time\nt = torch.randn({bench_others.NUMEL})\ndist.all_reduce(t)")

@@ -1,7 +1,8 @@
 """The benchmark's comparisons outside labkit (runs in a shell, from `labkit.tools.bench`).
 
-- `raw_allreduce`: the same all_reduce in plain torch.distributed processes (gloo, the thread
-  budget labkit gives its ranks), timed inside the processes: the floor of a collective cell;
+- `RawAllreduce` / `raw_allreduce`: the same all_reduce in plain torch.distributed processes
+  (gloo, the thread budget labkit gives its ranks), timed inside the processes: the floor of a
+  collective cell, measured in blocks interleaved with labkit's (`bench_labkit.collective`);
 - `raw_roundtrip`: an empty message to `n` idle plain Python processes and back, over the same
   kind of sockets as labkit's (a zmq ROUTER on ipc, one DEALER per process): the floor of a
   no-op cell once the processes have gone idle;
@@ -12,6 +13,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import statistics
@@ -26,25 +28,29 @@ from labkit.kernel.policy import threads_per_rank
 NUMEL = 1 << 20  # a 1M-float (4 MiB) all_reduce
 
 RAW = textwrap.dedent("""
-    import os, statistics, sys, time, torch, torch.distributed as dist
-    rank, n, port, threads, reps = (int(a) for a in sys.argv[1:6])
+    import json, sys, time, torch, torch.distributed as dist
+    rank, n, port, threads = (int(a) for a in sys.argv[1:5])
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=n)
     t = torch.randn(NUMEL)
     for _ in range(5):
         dist.all_reduce(t)
-    times = []
-    for _ in range(reps):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        times.append(time.perf_counter() - t0)
-    # the op ends when its slowest rank's ends: take each rep's maximum over the ranks
-    slowest = torch.tensor(times, dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    if rank == 0:
-        print(statistics.median(slowest.tolist()))
+    for line in sys.stdin:  # a number of repeats to time, or 0 to leave
+        reps = int(line)
+        if reps == 0:
+            break
+        times = []
+        for _ in range(reps):
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times.append(time.perf_counter() - t0)
+        # the op ends when its slowest rank's ends: take each rep's maximum over the ranks
+        slowest = torch.tensor(times, dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        if rank == 0:
+            print(json.dumps(slowest.tolist()), flush=True)
     dist.destroy_process_group()
 """).replace("NUMEL", str(NUMEL))
 
@@ -55,22 +61,58 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class RawAllreduce:
+    """`n` plain torch.distributed processes (gloo, the thread budget labkit gives its ranks)
+    that time the same 1M-float all_reduce when asked, so its floor can be measured in blocks
+    interleaved with labkit's cells: both then see the same machine. Use with `with`."""
+
+    def __init__(self, n: int):
+        threads = threads_per_rank(os.cpu_count(), n) or 1
+        port = free_port()
+        self.procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", RAW, *map(str, (r, n, port, threads))],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for r in range(n)
+        ]
+
+    def times(self, reps: int) -> list[float]:
+        """Seconds of `reps` all_reduces, each its slowest rank's."""
+        for p in self.procs:
+            p.stdin.write(f"{reps}\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+        line = self.procs[0].stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            codes = [p.poll() for p in self.procs]
+            raise RuntimeError(f"the raw torch.distributed processes failed (exit codes {codes})")
+        return json.loads(line)
+
+    def __enter__(self) -> RawAllreduce:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for p in self.procs:
+            try:
+                p.stdin.write("0\n")  # type: ignore[union-attr]
+                p.stdin.close()  # type: ignore[union-attr]
+            except OSError:
+                pass
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()  # our own child, by its Popen handle
+                p.wait()
+            p.stdout.close()  # type: ignore[union-attr]
+
+
 def raw_allreduce(n: int, reps: int) -> float:
     """Median seconds of a 1M-float all_reduce in `n` plain torch.distributed processes."""
-    threads = threads_per_rank(os.cpu_count(), n) or 1
-    port = free_port()
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", RAW, *map(str, (r, n, port, threads, reps))],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for r in range(n)
-    ]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    if any(p.returncode for p in procs):
-        raise RuntimeError(f"the raw torch.distributed processes failed: {outs}")
-    return float(outs[0].strip().splitlines()[-1])
+    with RawAllreduce(n) as raw:
+        return statistics.median(raw.times(reps))
 
 
 ECHO = textwrap.dedent("""

@@ -38,6 +38,7 @@ between the kernel and its fork server, as one JSON object per line over the ser
 | server pipe | srv -> kernel  | `ServerHello`   | the server's facts: torch, GPUs, backends, CPUs |
 | server pipe | srv -> kernel  | `Spawned`       | a rank was forked: its pid                      |
 | server pipe | srv -> kernel  | `Exited`        | a rank exited: its code (negative: signal)      |
+| server pipe | srv -> kernel  | `Warm`          | its one-off warm-up imports are done            |
 
 Every rank -> kernel message also carries `rank` and `gen` (`FromRank`), added by the rank's
 `reply()`/`send_side()`; the kernel drops messages of an older generation. `RankErrorInfo`
@@ -379,6 +380,10 @@ class Exited(TypedDict):
     code: int  # exit code; negative: killed by that signal
 
 
+class Warm(TypedDict):
+    type: Literal["warm"]
+
+
 # -- by channel and direction -------------------------------------------------------------------
 
 _KernelToRankCtrl = Init | Exec | Pull | Push | Trace | Ping | Exit | Welcome | Refused
@@ -388,4 +393,4 @@ RankToKernel = (
     Attach | Hello | Ready | Done | Pong | Fatal | Stream | Status | Stacks | DebugPrompt | Progress
 )
 KernelToServer = SpawnCommand | SignalCommand | ExitCommand
-ServerToKernel = ServerHello | Spawned | Exited
+ServerToKernel = ServerHello | Spawned | Exited | Warm
