@@ -119,28 +119,27 @@ time.sleep(600)
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("how", ["stop", "timeout"])
-def test_torchrun_stopped_or_past_its_timeout_leaves_no_worker(tmp_path: Path, how: str) -> None:
+def test_torchrun_stopped_leaves_no_worker(tmp_path: Path) -> None:
+    # real torchrun, stopped: it gets SIGTERM and ends its workers (the timeout path is the
+    # same ending, covered by the stand-in agent above without waiting out a 25 s timeout)
     (tmp_path / "wait.py").write_text(WAIT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     before = descendants()
     workers: list[int] = []
 
-    def watch() -> None:  # note the workers once both run (and press Stop then)
+    def watch() -> None:  # note the workers once both run, then press Stop
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             if all((tmp_path / f"w{r}").exists() for r in (0, 1)):
                 time.sleep(0.2)  # both pids written in full
                 workers.extend(int((tmp_path / f"w{r}").read_text()) for r in (0, 1))
-                if how == "stop":
-                    press_stop()
+                press_stop()
                 return
             time.sleep(0.1)
 
     threading.Thread(target=watch, daemon=True).start()
-    expected = KeyboardInterrupt if how == "stop" else subprocess.TimeoutExpired
-    with pytest.raises(expected):
-        run_command([*cmd, "wait.py"], timeout=120 if how == "stop" else 25, grace=20, cwd=tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        run_command([*cmd, "wait.py"], timeout=120, grace=20, cwd=tmp_path)
     assert len(workers) == 2, "torchrun's workers never started"
     deadline = time.monotonic() + 5
     while _left(before) and time.monotonic() < deadline:  # only zombies may be left to reap
