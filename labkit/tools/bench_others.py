@@ -1,6 +1,6 @@
 """The benchmark's comparisons outside labkit (runs in a shell, from `labkit.tools.bench`).
 
-- `RawAllreduce` / `raw_allreduce`: the same all_reduce in plain torch.distributed processes
+- `RawAllreduce`: the same all_reduce in plain torch.distributed processes
   (gloo, the thread budget labkit gives its ranks), timed inside the processes: the floor of a
   collective cell, measured in blocks interleaved with labkit's (`bench_labkit.collective`);
 - `raw_roundtrip`: an empty message to `n` idle plain Python processes and back, over the same
@@ -107,12 +107,6 @@ class RawAllreduce:
                 p.kill()  # our own child, by its Popen handle
                 p.wait()
             p.stdout.close()  # type: ignore[union-attr]
-
-
-def raw_allreduce(n: int, reps: int) -> float:
-    """Median seconds of a 1M-float all_reduce in `n` plain torch.distributed processes."""
-    with RawAllreduce(n) as raw:
-        return statistics.median(raw.times(reps))
 
 
 ECHO = textwrap.dedent("""

@@ -92,6 +92,10 @@ def _rebuild_tensor(
 def _reduce_tensor(pickler: Any, obj: Any, torch: Any) -> Any:
     """A tensor as (dtype, shape, raw bytes out of band), always on the CPU, or (with the
     pickler's `shm_dir`, `shm.MIN_BYTES` or more) through a shared-memory segment."""
+    nbytes = obj.numel() * obj.element_size()
+    to_shm = pickler.shm_dir is not None and nbytes >= shm.MIN_BYTES
+    if to_shm and isinstance(pickler, _PlainPickler):  # before any copy (a GPU tensor's to the
+        raise _NotPlain  # CPU): the segment is written once, by cloudpickle's pickler
     t = obj.detach()
     if t.device.type != "cpu":
         t = t.cpu()
@@ -100,10 +104,7 @@ def _reduce_tensor(pickler: Any, obj: Any, torch: Any) -> Any:
     t = t.contiguous()
     dtype = str(t.dtype).removeprefix("torch.")
     is_param = type(obj) is not torch.Tensor
-    nbytes = t.numel() * t.element_size()
-    if pickler.shm_dir is not None and nbytes >= shm.MIN_BYTES:
-        if isinstance(pickler, _PlainPickler):  # segments are written once, by cloudpickle's
-            raise _NotPlain
+    if to_shm:
         raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
         recycle = False
         try:
