@@ -12,6 +12,14 @@ restarts are left (`--max-restarts`), starts the whole group again with the rest
 higher. Every worker then loads the last checkpoint and goes on from its step. At the end rank 0
 saves the final weights to `final.pt` in the checkpoint directory and prints one line:
 `final attempt A resumed_from S steps N`.
+
+The script leaves with `os._exit` once its group is destroyed, not by returning to the
+interpreter. With torch 2.13 a DDP model keeps the gloo group's worker threads running after
+`destroy_process_group`, and every backward pass stashes a Python object in the all-reduce
+work items those threads run. On a busy machine a worker thread can be switched out after it
+finished the last all-reduce but before it dropped the work item; if Python is shutting down
+by then, dropping it needs the interpreter lock, the thread is stopped instead and the process
+aborts (SIGABRT) after a run that succeeded. torchrun counts that as a failed worker.
 """
 
 from __future__ import annotations
@@ -19,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
 
 import torch
@@ -70,7 +79,7 @@ def main() -> int:
         for step in range(start, args.steps):
             if attempt == 0 and rank == 1 and step == args.fail_at:
                 print(f"rank 1 attempt 0: failing at step {step}", flush=True)
-                sys.exit(1)  # a worker failure: torchrun restarts the whole group
+                return 1  # a worker failure: torchrun restarts the whole group
             b = batch_indices(step, rank, world_size)
             opt.zero_grad()
             nn.functional.cross_entropy(ddp(X[b]), y[b]).backward()
@@ -89,4 +98,11 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = 1
+    try:
+        code = main()
+    except Exception:
+        traceback.print_exc()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter shutdown for gloo's worker threads to abort (see the top)
