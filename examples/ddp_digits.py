@@ -12,7 +12,9 @@ here: read the torchrun variables, pick the backend and device, form the process
 take it down at the end (run on a lab, `init_process_group` finds the lab's group already up
 and uses it, and `destroy_process_group` leaves it for the next cell). Rank 0 prints the final
 global loss; `--check` also trains the single-process reference (`train_reference`) and exits
-non-zero unless the two agree to 1e-5.
+non-zero unless the two agree to 1e-5. The script ends through `exit_with(main)`: with torch
+2.13 a gloo script can abort while the interpreter shuts down, after a run that succeeded
+(`labkit/parallel/script_exit.py` says why); on a lab it ends as any script does.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch.distributed as dist
 from labkit.parallel.checkpoint import save_checkpoint
 from labkit.parallel.data_parallel import make_mlp, replica_report, train_reference, train_sync_sgd
 from labkit.parallel.datasets import load_digits
+from labkit.parallel.script_exit import exit_with
 
 
 def parse_args() -> argparse.Namespace:
@@ -90,4 +93,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_with(main)

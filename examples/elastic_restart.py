@@ -13,21 +13,15 @@ higher. Every worker then loads the last checkpoint and goes on from its step. A
 saves the final weights to `final.pt` in the checkpoint directory and prints one line:
 `final attempt A resumed_from S steps N`.
 
-The script leaves with `os._exit` once its group is destroyed, not by returning to the
-interpreter. With torch 2.13 a DDP model keeps the gloo group's worker threads running after
-`destroy_process_group`, and every backward pass stashes a Python object in the all-reduce
-work items those threads run. On a busy machine a worker thread can be switched out after it
-finished the last all-reduce but before it dropped the work item; if Python is shutting down
-by then, dropping it needs the interpreter lock, the thread is stopped instead and the process
-aborts (SIGABRT) after a run that succeeded. torchrun counts that as a failed worker.
+The script ends through `exit_with(main)`: with torch 2.13 a gloo script can abort while the
+interpreter shuts down, after a run that succeeded, and torchrun would take that for a failed
+worker (`labkit/parallel/script_exit.py` says why).
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import sys
-import traceback
 from pathlib import Path
 
 import torch
@@ -35,6 +29,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from labkit.parallel.script_exit import exit_with
 from labkit.parallel.uneven_inputs import (
     RESTART_BATCH,
     RESTART_LR,
@@ -98,11 +93,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    code = 1
-    try:
-        code = main()
-    except Exception:
-        traceback.print_exc()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # no interpreter shutdown for gloo's worker threads to abort (see the top)
+    exit_with(main)

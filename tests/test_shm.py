@@ -142,6 +142,109 @@ def test_a_rank_reuses_a_segment_only_once_the_kernel_freed_what_it_mapped():
     gc.collect()  # giving back a segment whose directory is gone is quiet
 
 
+def test_the_kernel_reuses_a_pushed_segment_only_once_every_rank_let_go():
+    directory = shm.new_dir()
+    key = new_key()
+    kernel = Codec(key, directory)
+    kernel.shared = shm.Shared()
+    ranks = [Codec(key, directory, recycle=True) for _ in range(2)]
+    a = torch.randn(1 << 19)  # 2 MiB
+
+    def push(value: torch.Tensor) -> tuple[list[torch.Tensor], str]:
+        kept: list[str] = []
+        frames = kernel.encode({"v": value}, kept=kept)
+        assert len(frames) == 2 and len(kept) == 1, "the tensor did not go through /dev/shm"
+        return [rank.decode(frames)["v"] for rank in ranks], kept[0]
+
+    try:
+        first, path = push(a)
+        second, unanswered = push(a * 2)
+        assert unanswered != path, "a segment was written again before every rank answered"
+        kernel.shared.settle([path, unanswered], answered=True)
+        assert os.stat(path).st_nlink == 3  # the kernel's name and each rank's hold
+        third, p3 = push(a * 3)
+        assert p3 not in (path, unanswered), "a segment the ranks still map was written again"
+        kernel.shared.settle([p3], answered=True)
+        view = first[1][:16]  # rank 1 keeps a view of its first tensor
+        del first
+        gc.collect()
+        assert os.stat(path).st_nlink == 2
+        fourth, p4 = push(a * 4)
+        assert p4 != path, "a segment under a rank's live view was written again"
+        kernel.shared.settle([p4], answered=True)
+        assert torch.equal(view, a[:16])
+        del view
+        gc.collect()
+        assert os.stat(path).st_nlink == 1
+        fifth, p5 = push(a * 5)
+        assert p5 == path, "a segment no rank holds was not reused"
+        for got, want in ((second, a * 2), (third, a * 3), (fourth, a * 4), (fifth, a * 5)):
+            assert all(torch.equal(t, want) for t in got)
+        fifth[0].add_(1)  # a rank's writes stay its own (copy-on-write)
+        assert torch.equal(fifth[1], a * 5)
+        # a message some rank never answered: its segment is left for the restart's sweep
+        kernel.shared.settle([p5], answered=False)
+        assert path not in kernel.shared.owned and os.path.exists(path)
+        # pooled segments stay within the pool's limit; the rest are unlinked when settled
+        kernel.shared.limit = kernel.shared.used()
+        extra, p6 = push(a * 6)
+        assert p6 not in kernel.shared.owned
+        kernel.shared.settle([p6], answered=True)
+        assert not os.path.exists(p6) and all(torch.equal(t, a * 6) for t in extra)
+    finally:
+        shm.remove(directory)
+        kernel.shared.clear()
+    assert kernel.shared.owned == {} and not os.path.exists(directory)
+    del second, third, fourth, fifth, extra
+    gc.collect()  # dropping a hold whose directory is gone is quiet
+
+
+def test_a_child_a_rank_forks_holds_the_segments_it_inherited():
+    directory = shm.new_dir()
+    key = new_key()
+    kernel = Codec(key, directory)
+    kernel.shared = shm.Shared()
+    rank = Codec(key, directory, recycle=True)
+    a = torch.randn(1 << 19)
+    kept: list[str] = []
+    got = rank.decode(kernel.encode({"v": a}, kept=kept))["v"]
+    kernel.shared.settle(kept, answered=True)
+    (path,) = kept
+    want = a.numpy().tobytes()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # a DataLoader worker, say: it reads its inherited tensor after the parent let go
+        code = 1
+        try:
+            os.close(w)
+            os.read(r, 1)
+            code = 0 if got.numpy().tobytes() == want else 3  # numpy: no torch thread pool
+            del got
+            gc.collect()  # its own hold goes with its mapping
+        finally:
+            os._exit(code)
+    try:
+        os.close(r)
+        del got
+        gc.collect()
+        assert os.stat(path).st_nlink == 2, "the forked child holds no link of its own"
+        again: list[str] = []
+        kernel.encode({"v": a * 2}, kept=again)
+        assert again != kept, "a segment a forked child still maps was written again"
+        kernel.shared.settle(again, answered=True)
+        os.write(w, b"x")
+        _, status = os.waitpid(pid, 0)
+        pid = 0
+        assert os.waitstatus_to_exitcode(status) == 0, "the child's tensor changed under it"
+        assert os.stat(path).st_nlink == 1
+    finally:
+        os.close(w)  # a child still waiting reads end-of-file and ends
+        if pid:
+            os.waitpid(pid, 0)
+        shm.remove(directory)
+        kernel.shared.clear()
+
+
 def test_a_segment_outside_a_lab_directory_is_refused(tmp_path):
     outside = tmp_path / "x"
     outside.write_bytes(b"\0" * 64)
@@ -178,12 +281,27 @@ def test_pull_and_push_keep_dtype_values_and_flags_and_leave_nothing():
         ).values_by_rank
         for r in (0, 1):
             assert checks[r] == (torch.bfloat16, True, True, "Parameter", True, True, True)
-        # one file for both ranks, unlinked once both replied; a rank's writes stay its own
+        # one file for both ranks; a rank's writes stay its own
         lab.run("a.data.mul_(rank + 2)")
         assert lab.pull("float(a.float().sum() / (rank + 2))")[1] == pytest.approx(
             want["bf"].float().sum().item(), rel=1e-2
         )
-        assert sorted(os.listdir(directory)) == sorted(left), "a pushed segment was left"
+        # pushed segments are reused once no rank maps them, never while one does
+        lab.run("kept = c")
+        for k in range(2, 8):
+            lab.push(c=want["big"] * k)
+        checks = lab.run(
+            reference + "torch.equal(kept, ref['big']), torch.equal(c, 7 * ref['big'])"
+        )
+        assert checks.values_by_rank == {0: (True, True), 1: (True, True)}
+        pool = lab.channel.codec.shared
+        assert pool is not None and pool.used() <= shm.POOL_BYTES and not pool.busy
+        pooled = {os.path.basename(p) for p in pool.owned}
+        holds = {n for n in os.listdir(directory) if shm.HOLD in n}
+        assert set(os.listdir(directory)) == set(left) | pooled | holds, "a pushed segment was left"
+        assert {n.split(shm.HOLD)[0] for n in holds} <= pooled
+        assert len(holds) == 2 * 4, "each rank holds the 4 tensors it keeps (a, b, kept and c)"
+        assert len(pooled) <= 6, "pushes of the same size did not reuse the segments"
     finally:
         lab.stop()
     assert not os.path.exists(directory)

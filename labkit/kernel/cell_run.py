@@ -32,7 +32,6 @@ from labkit.kernel.live import LiveStatus
 from labkit.kernel.results import CellState, LabkitWarning, RankResult, Results
 from labkit.kernel.stacks import STUCK_WAIT_S, collect, gather, stuck_text
 from labkit.kernel.watchdog import Watchdog, diagnose, op_text
-from labkit.wire import shm
 from labkit.wire.messages import Exec, KernelToRank
 
 STOP_GRACE = 3.0  # seconds ranks get to stop after Stop before the cell counts as stuck
@@ -148,8 +147,9 @@ class CellRun:
             raise
         finally:
             self.live.close()
-            if all(r in self.replies for r in self.targets):  # each mapped them: unlink
-                shm.release(segments)  # (else the restart or stop sweeps them)
+            # each rank mapped them (and holds what it keeps): reuse or unlink them; else the
+            # restart or stop sweeps them
+            self.channel.settle(segments, all(r in self.replies for r in self.targets))
         outcome = CellOutcome(self.replies, self.started, stuck)
         try:
             self._add_stacks(outcome)

@@ -71,6 +71,7 @@ class Channel(Admission):
         self.sock_dir = tempfile.mkdtemp(prefix="labkit-")  # 0700: only this user gets in
         self.shm_dir = shm.new_dir() if listen is None else None  # large tensors, same machine
         codec.shm_dir = self.shm_dir
+        codec.shared = shm.Shared() if self.shm_dir else None  # pushed segments, reused
         self.gen = 0
         self.status: dict[int, dict[str, Any]] = {}  # rank -> its last heartbeat
         self.stacks: dict[int, dict[int, dict[str, Any]]] = {}  # ask id -> rank -> `stacks`
@@ -124,6 +125,8 @@ class Channel(Admission):
         self.dead.clear()
         self._seen_seq = {}
         shm.sweep(self.shm_dir)  # segments the old ranks sent or were sent and never mapped
+        if self.codec.shared is not None:
+            self.codec.shared.clear()
         return self.gen
 
     def close(self) -> None:
@@ -134,6 +137,8 @@ class Channel(Admission):
         os.close(self.wake_w)
         shutil.rmtree(self.sock_dir, ignore_errors=True)
         shm.remove(self.shm_dir)
+        if self.codec.shared is not None:
+            self.codec.shared.clear()
 
     # -- the I/O thread ---------------------------------------------------------------------
     def _post(self, *event: Any) -> None:
@@ -207,9 +212,17 @@ class Channel(Admission):
     # -- sending ----------------------------------------------------------------------------
     def encode_for_all(self, msg: KernelToRank) -> tuple[list[Any], list[str]]:
         """`msg` encoded once for several ranks, and the shared-memory segments it names (the
-        ranks map them without unlinking: `labkit.wire.shm.release` them once all replied)."""
+        ranks map them without unlinking: `settle` them once all replied, or gave up)."""
         kept: list[str] = []
         return self.codec.encode(msg, kept=kept), kept
+
+    def settle(self, segments: list[str], answered: bool) -> None:
+        """The segments of a message from `encode_for_all`, once every rank `answered` it (kept
+        for the next push, or unlinked) or not (left for the restart's sweep)."""
+        if self.codec.shared is not None:
+            self.codec.shared.settle(segments, answered)
+        elif answered:
+            shm.release(segments)
 
     def send(
         self, ranks: Iterable[int], msg: KernelToRank, frames: list[Any] | None = None

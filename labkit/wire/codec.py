@@ -106,10 +106,10 @@ def _reduce_tensor(pickler: Any, obj: Any, torch: Any) -> Any:
     is_param = type(obj) is not torch.Tensor
     if to_shm:
         raw = memoryview(t.reshape(-1).view(torch.uint8).numpy())
-        recycle = False
+        pooled = False
         try:
             if pickler.pool is not None:
-                path, recycle = pickler.pool.write(pickler.shm_dir, raw)
+                path, pooled = pickler.pool.write(pickler.shm_dir, raw)
             else:
                 path = shm.write(pickler.shm_dir, raw)
         except OSError:  # /dev/shm full or gone: the socket still works
@@ -120,7 +120,10 @@ def _reduce_tensor(pickler: Any, obj: Any, torch: Any) -> Any:
             unlink = pickler.kept is None
             shape = tuple(t.shape)
             args = (path, nbytes, dtype, shape, obj.requires_grad, is_param, unlink)
-            return shm.rebuild_tensor, (*args, recycle) if recycle else args
+            if not pooled:
+                return shm.rebuild_tensor, args
+            # one receiver gives it back (`recycle`); several each hold it (`hold`)
+            return shm.rebuild_tensor, (*args, unlink, not unlink)
     raw = t.reshape(-1).view(torch.uint8).numpy() if t.numel() else b""
     buf = pickle.PickleBuffer(raw) if t.numel() else b""
     return _rebuild_tensor, (buf, dtype, tuple(t.shape), obj.requires_grad, is_param)
@@ -166,8 +169,8 @@ class _Pickler(cloudpickle.Pickler):
     ):
         super().__init__(*args, **kwargs)
         self.shm_dir = shm_dir
-        self.kept = kept  # given: the segments are the sender's to unlink (several receivers)
-        self.pool = pool if kept is None else None  # given: segments are reused (one receiver)
+        self.kept = kept  # given: the segments are the sender's to settle (several receivers)
+        self.pool = pool  # given: segments are reused (a `shm.Shared` pool with `kept`)
 
     def reducer_override(self, obj: Any) -> Any:
         torch = _torch_if_loaded()
@@ -212,7 +215,9 @@ class Codec:
 
     `shm_dir`: the lab's shared-memory directory (`shm.new_dir()`), or None to send every
     tensor through the socket (ranks on other machines). `recycle`: reuse segments the one
-    receiver has freed (a rank's codec: its receiver is the kernel; `shm.Pool`).
+    receiver has freed (a rank's codec: its receiver is the kernel; `shm.Pool`). `shared`:
+    reuse the segments of messages to several receivers once they all let go of them (the
+    kernel's codec; `shm.Shared`, settled by the sender once every receiver answered).
     """
 
     def __init__(self, key: bytes, shm_dir: str | None = None, recycle: bool = False):
@@ -221,6 +226,7 @@ class Codec:
         self.key = key
         self.shm_dir = shm_dir
         self.pool = shm.Pool() if recycle else None
+        self.shared: shm.Shared | None = None
         self._lock = threading.Lock()
         self._pid = 0
         self._sender = b""
@@ -269,8 +275,10 @@ class Codec:
     ) -> list[Any]:
         """Sign and frame `msg`. `shared`: large tensors may go through shared memory; the
         receiver unlinks each segment when it maps it, unless `kept` is given: then the paths
-        are appended to it, for the sender to unlink once every receiver has replied."""
-        header, buffers = dumps(msg, self.shm_dir if shared else None, kept, self.pool)
+        are appended to it, for the sender to settle once every receiver has replied
+        (`shm.Shared.settle`, or `shm.release` without a pool)."""
+        pool = self.pool if kept is None else self.shared
+        header, buffers = dumps(msg, self.shm_dir if shared else None, kept, pool)
         frames: list[Any] = [header, *(b.raw() for b in buffers)]
         return [self._sign(frames, self._nonce()), *frames]
 

@@ -8,7 +8,8 @@ message (`labkit.wire.codec`). The receiver checks the path, opens the file, unl
 and maps it copy-on-write: the tensor it gets is backed by that mapping (no copy in the
 receiver), and the memory goes back to the system when the tensor is freed. A request the
 kernel sends to several ranks writes each tensor once: every rank maps the same file (its
-writes stay its own), and the kernel unlinks it once every rank has replied (`release`).
+writes stay its own) without unlinking it, and the kernel reuses or unlinks it once every rank
+has replied (`Shared.settle`, below).
 
 Segments a rank sends to the kernel are recycled: writing into fresh tmpfs pages, and freeing
 them, costs several times a copy (page allocation), so each rank keeps up to `POOL_BYTES` of
@@ -17,6 +18,12 @@ using the mapping is freed, it renames the file to `<name>.free`, and the rank t
 renaming it again (atomic: a segment is either the kernel's or the rank's) and writes the next
 tensor into its pages. A segment is never written while the kernel maps it, so a tensor the
 kernel keeps never changes under it.
+
+Segments the kernel sends to several ranks are recycled too (a `Shared` pool, the same
+`POOL_BYTES`): each rank that maps one holds a hard link to it (`<name>.hold-<random>`) until
+its tensor is freed, and the kernel writes a segment again only once every rank answered the
+message that named it and its link count is back to 1. A child a rank forks (a DataLoader
+worker, say) inherits its mappings, so it makes holds of its own at once (`_hold_again`).
 
 Nothing is left in /dev/shm: a file whose message was never received (its sender or receiver
 died, or the message was dropped) lies in the lab's directory, which the kernel empties at each
@@ -40,6 +47,7 @@ PREFIX = "labkit-shm-"
 MIN_BYTES = 1 << 20  # smaller tensors go through the socket: a file costs more than it saves
 POOL_BYTES = 64 << 20  # segments one rank keeps for reuse (the rest are unlinked when mapped)
 FREE = ".free"  # suffix of a recycled segment that the kernel no longer maps
+HOLD = ".hold-"  # a rank's hard link to a `Shared` segment it maps (the rest is random)
 
 
 def new_dir() -> str | None:
@@ -114,10 +122,8 @@ class Pool:
         for path, (size, mm) in sorted(self.owned.items(), key=lambda kv: kv[1][0] != nbytes):
             if size < nbytes and self.used() - size + nbytes > self.limit:
                 continue
-            try:
-                os.rename(path + FREE, path)  # taken back: the kernel no longer maps it
-            except OSError:
-                continue  # still in use (or swept)
+            if not self._take(path):
+                continue
             if size != nbytes:
                 mm = self._map(path, nbytes)
             mm[:nbytes] = raw
@@ -135,6 +141,19 @@ class Pool:
     def used(self) -> int:
         return sum(size for size, _ in self.owned.values())
 
+    def clear(self) -> None:
+        """Forget every segment (the lab's directory was swept or removed)."""
+        for _, mm in self.owned.values():
+            mm.close()
+        self.owned.clear()
+
+    def _take(self, path: str) -> bool:
+        try:
+            os.rename(path + FREE, path)  # taken back: the kernel no longer maps it
+        except OSError:
+            return False  # still in use (or swept)
+        return True
+
     def _map(self, path: str, nbytes: int) -> mmap.mmap:
         old = self.owned.pop(path, None)
         if old is not None:
@@ -145,6 +164,82 @@ class Pool:
             return mmap.mmap(fd, nbytes)
         finally:
             os.close(fd)
+
+
+class Shared(Pool):
+    """The segments the kernel reuses for messages to several ranks. `write` names a segment
+    busy until `settle` says whether every rank answered its message; an answered segment is
+    written again once no rank holds a link to it."""
+
+    def __init__(self, limit: int = POOL_BYTES):
+        super().__init__(limit)
+        self.busy: set[str] = set()
+
+    def write(self, directory: str, raw: memoryview) -> tuple[str, bool]:
+        path, pooled = super().write(directory, raw)
+        if pooled:
+            self.busy.add(path)
+        return path, pooled
+
+    def settle(self, paths: list[str], answered: bool) -> None:
+        """A message's segments: unlinked (not pooled, every rank answered), kept for reuse
+        (pooled, every rank answered) or left for the restart's sweep (not answered)."""
+        for path in paths:
+            if path not in self.owned:
+                if answered:
+                    release([path])
+            elif answered:
+                self.busy.discard(path)
+            else:
+                self.busy.discard(path)
+                self.owned.pop(path)[1].close()
+
+    def clear(self) -> None:
+        super().clear()
+        self.busy.clear()
+
+    def _take(self, path: str) -> bool:
+        if path in self.busy:
+            return False
+        try:
+            return os.stat(path).st_nlink == 1  # no rank holds it any more
+        except OSError:  # swept
+            self.owned.pop(path)[1].close()
+            return False
+
+
+_HELD: weakref.WeakKeyDictionary[mmap.mmap, str] = weakref.WeakKeyDictionary()  # -> segment
+
+
+def _hold(buf: mmap.mmap, path: str) -> None:
+    """Link to `path` for as long as this process maps it through `buf`."""
+    link = path + HOLD + secrets.token_hex(8)
+    os.link(path, link, follow_symlinks=False)
+    weakref.finalize(buf, _unhold, link, os.getpid()).atexit = False
+    _HELD[buf] = path
+
+
+def _hold_again() -> None:
+    """In a forked child: the mappings it inherited are its own to hold (else the kernel could
+    rewrite a segment once the parent freed its tensor). A child that ends without running
+    finalizers (`os._exit`) leaves its holds, and the segment is not reused until a restart."""
+    for buf, path in list(_HELD.items()):
+        try:
+            _hold(buf, path)
+        except OSError:  # swept (a restart), or the lab stopped
+            pass
+
+
+os.register_at_fork(after_in_child=_hold_again)
+
+
+def _unhold(link: str, pid: int) -> None:
+    """A rank's last tensor on a `Shared` segment is gone: drop its hold (see `_give_back`)."""
+    if os.getpid() == pid:
+        try:
+            os.unlink(link)
+        except OSError:
+            pass
 
 
 def _give_back(path: str, pid: int) -> None:
@@ -158,16 +253,19 @@ def _give_back(path: str, pid: int) -> None:
         pass
 
 
-def read(path: str, nbytes: int, unlink: bool = True, recycle: bool = False) -> mmap.mmap:
+def read(
+    path: str, nbytes: int, unlink: bool = True, recycle: bool = False, hold: bool = False
+) -> mmap.mmap:
     """Open, unlink (unless the sender will: a message to several ranks, or a segment to give
     back) and map (copy-on-write) a segment that a signed message named. `recycle`: rename it
-    for its sender to reuse once the mapping is freed."""
+    for its sender to reuse once the mapping is freed. `hold`: link to it until then (a
+    `Shared` segment, which the kernel writes again once no rank holds it)."""
     directory = os.path.dirname(path)
     if not is_lab_dir(directory) or os.path.basename(path) in ("", ".", ".."):
         raise ValueError(f"not a labkit shared-memory segment: {path!r}")
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     try:
-        if unlink and not recycle:
+        if unlink and not recycle and not hold:
             os.unlink(path)  # the mapping keeps the memory; the name goes at once
         size = os.fstat(fd).st_size
         if size != nbytes:
@@ -175,6 +273,8 @@ def read(path: str, nbytes: int, unlink: bool = True, recycle: bool = False) -> 
         buf = mmap.mmap(fd, nbytes, access=mmap.ACCESS_COPY)
     finally:
         os.close(fd)
+    if hold:  # before the rank replies: the kernel only rewrites a segment nobody links to
+        _hold(buf, path)  # (an error here fails the message: its tensor is never used)
     if recycle:  # when every tensor (and view) on the mapping is gone, and it is unmapped
         weakref.finalize(buf, _give_back, path, os.getpid()).atexit = False
     return buf
@@ -189,11 +289,12 @@ def rebuild_tensor(
     is_param: bool,
     unlink: bool = True,
     recycle: bool = False,
+    hold: bool = False,
 ) -> Any:
     """The receiver's half (called while a verified message is unpickled)."""
     import torch
 
-    buf = read(path, nbytes, unlink, recycle)
+    buf = read(path, nbytes, unlink, recycle, hold)
     with warnings.catch_warnings():  # torch warns about non-writable buffers; this one is ours
         warnings.simplefilter("ignore", UserWarning)
         t = torch.frombuffer(buf, dtype=torch.uint8).view(getattr(torch, dtype)).reshape(shape)
