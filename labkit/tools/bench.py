@@ -16,6 +16,7 @@ The main table (4 ranks by default; targets in the last column):
 - pull and push of 16 MiB per rank (large tensors go through /dev/shm, `labkit.wire.shm`),
   beside a copy of the same bytes in this process; target: x2.5. Pull twice: results dropped
   at once (the ranks reuse their segments) and results kept (each pull writes fresh pages);
+  push after two pushes of the same size (the kernel reuses the segment the ranks let go of);
 - a 1 MiB all_reduce with tracing on vs off; +5 %;
 - the kernel's RSS growth over N `%%ranks` cells; 20 MB.
 

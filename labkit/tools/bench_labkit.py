@@ -113,6 +113,8 @@ def scaling(n: int, reps: int) -> dict[str, float]:
         pull_kept = _median_time(lambda: kept.append(lab.pull("big")), 3)
         kept.clear()
         x = torch.randn(4, 1024, 1024)
+        lab.push(x=x)  # two pushes first, as pull's first one: then each push rewrites the
+        lab.push(x=x)  # segment the ranks let go of when the last one replaced x (shm.Shared)
         push = _median_time(lambda: lab.push(x=x), max(3, reps // 4))
     finally:
         lab.stop()

@@ -48,6 +48,7 @@ MIN_BYTES = 1 << 20  # smaller tensors go through the socket: a file costs more 
 POOL_BYTES = 64 << 20  # segments one rank keeps for reuse (the rest are unlinked when mapped)
 FREE = ".free"  # suffix of a recycled segment that the kernel no longer maps
 HOLD = ".hold-"  # a rank's hard link to a `Shared` segment it maps (the rest is random)
+_POPULATE = getattr(mmap, "MAP_POPULATE", 0)  # Linux
 
 
 def new_dir() -> str | None:
@@ -161,7 +162,8 @@ class Pool:
         fd = os.open(path, os.O_RDWR | os.O_NOFOLLOW)
         try:
             os.ftruncate(fd, nbytes)
-            return mmap.mmap(fd, nbytes)
+            # populated: the first reuse writes into mapped pages, not through 4 KiB faults
+            return mmap.mmap(fd, nbytes, flags=mmap.MAP_SHARED | _POPULATE)
         finally:
             os.close(fd)
 
