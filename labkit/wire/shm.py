@@ -187,13 +187,11 @@ class Shared(Pool):
         """A message's segments: unlinked (not pooled, every rank answered), kept for reuse
         (pooled, every rank answered) or left for the restart's sweep (not answered)."""
         for path in paths:
+            self.busy.discard(path)
             if path not in self.owned:
                 if answered:
                     release([path])
-            elif answered:
-                self.busy.discard(path)
-            else:
-                self.busy.discard(path)
+            elif not answered:
                 self.owned.pop(path)[1].close()
 
     def clear(self) -> None:
