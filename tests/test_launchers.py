@@ -80,9 +80,14 @@ class FakeChannel:
     def settle(self, segments, answered) -> None:  # the fake encodes no shared memory
         assert segments == []
 
-    def send(self, ranks, msg, frames=None) -> None:
+    def send(self, ranks, msg, frames=None, sent=None) -> None:
         assert frames == [msg], "a cell is encoded once for all its ranks"
-        self.sent.append((list(ranks), msg))
+        for r in ranks:  # as Channel.send: one rank after the other, each noted once sent
+            self.send_one(r, msg)
+            sent.append(r)
+
+    def send_one(self, rank, msg) -> None:
+        self.sent.append(([rank], msg))
 
     def ask_stacks(self, ranks) -> int:  # every rank answers at once
         self.asked.append(list(ranks))
@@ -149,11 +154,11 @@ class PressedOnce(FakeChannel):
         self.pressed = False
         self.pumps = 0
 
-    def send(self, ranks, msg, frames=None) -> None:
-        if ranks == [1] and not self.pressed:
+    def send_one(self, rank, msg) -> None:
+        if rank == 1 and not self.pressed:
             self.pressed = True
             raise KeyboardInterrupt
-        super().send(ranks, msg, frames)
+        super().send_one(rank, msg)
 
     def pump(self, pending, expect, replies=None, watch=None, **kw):
         self.pumps += 1

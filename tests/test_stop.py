@@ -9,15 +9,17 @@ while a rank is inside a C++ op. Each case also runs with every CPU saturated by
 from __future__ import annotations
 
 import _thread
+import os
 import threading
 import time
 
 import pytest
-import zmq
 
 import labkit
-from labkit import LabError, RemoteError
+from labkit import LabError, LabkitWarning, RemoteError
 from labkit.kernel.policy import threads_per_rank
+from labkit.rank.link import CtrlLink
+from labkit.wire.codec import Codec, new_key
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -99,16 +101,55 @@ def test_stop_says_which_rank_is_inside_a_cpp_op(lab):
     assert lab.run("rank").values_by_rank == {0: 0, 1: 1}
 
 
+def _press_stop_during(op, delay: float) -> None:
+    """Run `op` with Stop pressed `delay` s after it began (during it, or just after it)."""
+    timer = threading.Timer(delay, _thread.interrupt_main)
+    try:
+        timer.start()  # a busy machine may run the press before start() returns
+        op()
+    except (KeyboardInterrupt, LabError, RemoteError):
+        pass
+    while True:  # a press that came after `op` returned is taken here, not in the next op
+        try:
+            timer.join()
+            time.sleep(0.01)
+            return
+        except KeyboardInterrupt:
+            pass
+
+
+def test_stop_pressed_at_any_moment_never_breaks_a_ctrl_link(lab):
+    """Ctrl-C may come between any two Python calls of the kernel, also in the middle of
+    writing a request into a rank's link or of reading a reply (labkit.kernel.direct): a
+    stream that lost or repeated a byte would make the rank leave (a restart, a new
+    generation) or the kernel drop the link. 1 MiB values take many reads and writes."""
+    import random
+
+    blob = os.urandom(1 << 20)
+    lab.push(blob=blob)
+    gen, rnd = lab.channel.gen, random.Random(7)
+    ops = (lambda: lab.push(blob=blob), lambda: lab.pull("blob"), lambda: lab.run("pass"))
+    for i in range(45):
+        _press_stop_during(ops[i % 3], rnd.uniform(0.0, 0.006))
+    assert lab.channel.gen == gen, "a rank left or was restarted: its link broke"
+    assert lab.channel.ctrl.broken == 0
+    assert lab.pull("blob") == {0: blob, 1: blob}
+    assert lab.run("rank").values_by_rank == {0: 0, 1: 1}
+    for r in (0, 1):
+        with open(os.path.join(lab.log_dir, f"rank-{r}.log")) as f:
+            assert "ctrl link" not in f.read()
+
+
 def test_a_process_claiming_a_ranks_name_gets_nothing(lab):
-    ctx = zmq.Context.instance()
-    impostor = ctx.socket(zmq.DEALER)
-    impostor.setsockopt(zmq.IDENTITY, b"r1")  # the name rank 1 had when routes were names
-    impostor.setsockopt(zmq.LINGER, 0)
-    impostor.connect(lab.channel.endpoint("ctrl"))
+    impostor = CtrlLink(lab.channel.endpoint("ctrl"))  # the kernel's ctrl socket, as a rank's
+    forged = Codec(new_key()).encode({"type": "hello", "rank": 1, "gen": lab.channel.gen})
+    impostor.send_multipart(forged)  # signed with another key: rejected, never unpickled
     try:
         time.sleep(0.3)
-        assert lab.run("rank * 3").values_by_rank == {0: 0, 1: 3}
+        with pytest.warns(LabkitWarning, match="rejected a message"):
+            assert lab.run("rank * 3").values_by_rank == {0: 0, 1: 3}
         assert not impostor.poll(500), "the impostor received a request meant for rank 1"
+        assert lab.run("rank").values_by_rank == {0: 0, 1: 1}
     finally:
         impostor.close()
 

@@ -87,7 +87,7 @@ def test_rank_config_round_trips_through_the_wire_and_json(cfg):
         ({"local_rank": 4}, r"local_rank must be in \[0, 4\), got 4"),
         ({"local_world_size": 8}, r"local_world_size must be in \[1, world_size=4\], got 8"),
         ({"gen": 0}, r"gen must be an int >= 1, got 0"),
-        ({"ctrl": "/tmp/ctrl"}, r"ctrl must be a ZeroMQ endpoint .*ipc:// or tcp://.*'/tmp/ctrl'"),
+        ({"ctrl": "/tmp/ctrl"}, r"ctrl must be an endpoint .*unix://, ipc://, tcp://.*'/tmp/ctrl'"),
         ({"key": b"short"}, r"key must be at least 16 bytes, got 5 bytes"),
         ({"key": "00" * 32}, r"key must be at least 16 bytes, got '00"),
         ({"backend": "auto"}, r"backend must be one of gloo, nccl, got 'auto'"),

@@ -186,11 +186,12 @@ class CellRun:
         request id once, so one sent twice runs once). Returns whether Stop was pressed."""
         pressed, left = False, list(self.targets)
         while left:
+            sent: list[int] = []
             try:
-                self.channel.send(left[:1], msg, frames)
-                left.pop(0)
+                self.channel.send(left, msg, frames, sent=sent)
             except KeyboardInterrupt:
                 pressed = True
+            left = [r for r in left if r not in sent]
         return pressed
 
     def _tick(self, pending: set[int]) -> None:

@@ -1,7 +1,9 @@
 """The kernel's channel to its ranks: two sockets, one I/O thread, one waiting loop (kernel side).
 
-- `ctrl` (a ZeroMQ ROUTER) is used only by the thread that calls the lab: requests out,
-  replies in.
+- `ctrl` is used only by the thread that calls the lab: requests out, replies in. Forked ranks'
+  ctrl links are plain Unix stream sockets, written and read by that thread itself
+  (labkit.kernel.direct: no I/O thread between a request and its rank); ranks started by
+  torchrun connect to a ZeroMQ ROUTER over TCP.
 - `side` is read by the `labkit-io` thread: output lines are queued for the caller to print,
   heartbeats update each rank's status (the line it runs, the comm op it is inside), answers to
   `ask_stacks` are kept in `stacks` (any thread may ask: labkit.kernel.stacks).
@@ -36,11 +38,13 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable
+from contextlib import nullcontext
 from typing import Any
 
 import zmq
 
 from labkit.kernel.admission import Admission
+from labkit.kernel.direct import DirectRouter, uninterrupted
 from labkit.kernel.logs import read_tail
 from labkit.kernel.output import RankOutput
 from labkit.kernel.results import LabError, LabkitWarning
@@ -87,17 +91,24 @@ class Channel(Admission):
         self._seen_seq: dict[int, int] = {}
         self._side_out: deque[tuple[int, int, KernelToRank]] = deque()  # (gen, rank, message)
         self._side_routes: dict[int, bytes] = {}
-        self.ctrl = self._bind("ctrl")
+        self.ctrl: zmq.Socket | DirectRouter = (
+            self._bind("ctrl") if listen is not None else DirectRouter(self._path("ctrl"))
+        )
         self.side = self._bind("side")
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         self.poller = zmq.Poller()
-        self.poller.register(self.ctrl, zmq.POLLIN)
+        # what the poller reports for ctrl: the socket, or (a DirectRouter) its descriptor
+        self._ctrl_ready: Any = self.ctrl if listen is not None else self.ctrl.fileno()
+        self.poller.register(self._ctrl_ready, zmq.POLLIN)
         self.poller.register(self.wake_r, zmq.POLLIN)
         self._io = threading.Thread(target=self._io_loop, name="labkit-io", daemon=True)
         self._io.start()
 
     # -- sockets ----------------------------------------------------------------------------
+    def _path(self, name: str) -> str:
+        return os.path.join(self.sock_dir, name)
+
     def _bind(self, name: str) -> zmq.Socket:
         """A ROUTER on a Unix socket in a private directory (faster than TCP loopback)."""
         sock = self.ctx.socket(zmq.ROUTER)
@@ -106,12 +117,14 @@ class Channel(Admission):
             host, port = self.listen
             sock.bind(f"tcp://{host}:{port if name == 'ctrl' else 0}")
             return sock
-        sock.bind(f"ipc://{os.path.join(self.sock_dir, name)}")
+        sock.bind(f"ipc://{self._path(name)}")
         return sock
 
     def endpoint(self, name: str) -> str:
         """The address ranks connect to: `name` is "ctrl" or "side"."""
         sock = self.ctrl if name == "ctrl" else self.side
+        if isinstance(sock, DirectRouter):
+            return sock.endpoint
         return sock.getsockopt(zmq.LAST_ENDPOINT).decode()
 
     def new_generation(self) -> int:
@@ -132,6 +145,8 @@ class Channel(Admission):
     def close(self) -> None:
         self.closed = True
         self._io.join(timeout=2)
+        if isinstance(self.ctrl, DirectRouter):
+            self.ctrl.close()
         self.ctx.destroy(linger=0)
         os.close(self.wake_r)
         os.close(self.wake_w)
@@ -225,16 +240,26 @@ class Channel(Admission):
             shm.release(segments)
 
     def send(
-        self, ranks: Iterable[int], msg: KernelToRank, frames: list[Any] | None = None
+        self,
+        ranks: Iterable[int],
+        msg: KernelToRank,
+        frames: list[Any] | None = None,
+        sent: list[int] | None = None,
     ) -> None:
-        """Send `msg` (or its `frames` from `encode_for_all`) to each of `ranks`."""
+        """Send `msg` (or its `frames` from `encode_for_all`) to each of `ranks`, appending each
+        rank to `sent` once its request is out. Over direct links, Ctrl-C comes before the
+        first or after the last (`uninterrupted`), so `sent` says exactly who has it."""
         ranks = list(ranks)  # shared memory only for one receiver: it unlinks what it maps
-        if frames is None:
-            frames = self.codec.encode(msg, shared=len(ranks) == 1)
         for r in ranks:
             if r not in self.routes:
                 raise LabError(f"rank {r} has not signed in, so nothing can be sent to it")
-            self.ctrl.send_multipart([self.routes[r], *frames], copy=False)
+        if frames is None:
+            frames = self.codec.encode(msg, shared=len(ranks) == 1)
+        with uninterrupted() if isinstance(self.ctrl, DirectRouter) else nullcontext():
+            for r in ranks:
+                self.ctrl.send_multipart([self.routes[r], *frames], copy=False)
+                if sent is not None:
+                    sent.append(r)
 
     def send_side(self, ranks: Iterable[int], msg: Interrupt | AskStacks | Leave) -> None:
         """A message on `side` (read by the rank's heartbeat thread, even while its user code
@@ -281,8 +306,9 @@ class Channel(Admission):
         replies = {} if replies is None else replies
         pending = set(pending) - set(replies)
         while pending:
-            ready = dict(self.poller.poll(100))
-            if self.ctrl in ready:
+            held = self._held()  # read already (a Ctrl-C came as it was read): take it now
+            ready = dict(self.poller.poll(0 if held else 100))
+            if held or self._ctrl_ready in ready:
                 while self.ctrl.poll(0):
                     msg = self._receive(expect, msg_id)
                     if msg is None:
@@ -305,9 +331,14 @@ class Channel(Admission):
                 watch(pending)
         return replies
 
+    def _held(self) -> bool:
+        """Whether messages read from the direct links wait in the router."""
+        return isinstance(self.ctrl, DirectRouter) and bool(self.ctrl.received)
+
     def _receive(self, expect: str, msg_id: int | None) -> dict[str, Any] | None:
         """One ctrl message of this generation, or None for one to drop."""
         frames = self.ctrl.recv_multipart(copy=False)
+        route = frames[0] if isinstance(frames[0], bytes) else frames[0].bytes
         if not self._allowed(frames[-1], warn=True):
             return None
         try:
@@ -317,12 +348,12 @@ class Channel(Admission):
             warnings.warn(f"labkit rejected a message: {exc}", LabkitWarning, stacklevel=4)
             return None
         except Exception as exc:  # noqa: BLE001 - signed, but the kernel cannot unpickle it
-            msg = self._undecodable(frames[0].bytes, exc, expect, msg_id)
+            msg = self._undecodable(route, exc, expect, msg_id)
             if msg is None:
                 return None
         if msg.get("gen") != self.gen:
             return None
-        if not self._from_its_route(msg, frames[0].bytes):
+        if not self._from_its_route(msg, route):
             return None
         if msg["type"] == "fatal":
             err = msg["error"]

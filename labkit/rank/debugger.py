@@ -30,6 +30,7 @@ from typing import Any
 
 import zmq
 
+from labkit.wire.framed import LinkBroken
 from labkit.wire.messages import DebugPrompt
 
 _OWN = (os.path.join("labkit", "rank", ""), os.path.join("labkit", "wire", ""))
@@ -69,10 +70,14 @@ class RankPdb(pdb.Pdb):
     def interaction(self, frame: Any, traceback: Any) -> None:
         rank = self.session.rank
         rank.debugging = True
+        # out of user code while pdb waits: Stop is seen by `Session._wait`, never raised in
+        # the middle of reading the ctrl link (labkit.rank.link)
+        was, rank.in_user_code = rank.in_user_code, False
         try:
             super().interaction(frame, traceback)
         finally:
             rank.debugging = False
+            rank.in_user_code = was
         if self.session.stopped:
             self.set_continue()
             raise KeyboardInterrupt(f"Stop was pressed while rank {rank.rank} was in the debugger")
@@ -126,7 +131,7 @@ class Session:
                 msg = self.rank.codec.decode(ctrl.recv_multipart(copy=False))
             except KeyboardInterrupt:  # the heartbeat's Stop: seen on the next turn
                 continue
-            except zmq.ZMQError:  # the socket is gone: never spin on it
+            except (zmq.ZMQError, LinkBroken):  # the socket is gone: never spin on it
                 raise
             except Exception as exc:  # noqa: BLE001 - forged: log it, never unpickle
                 print(f"labkit rank {self.rank.rank}: rejected a message: {exc}", file=sys.stderr)

@@ -1,15 +1,18 @@
 """The rank process: a persistent namespace that runs the kernel's cells (runs on the rank).
 
 A rank is forked by `labkit.rank.fork_server` (or started by torchrun with `--connect`), connects
-two ZeroMQ DEALER sockets to the kernel and serves requests until told to exit:
+two sockets to the kernel and serves requests until told to exit:
 
-- `ctrl` (main thread only, this module): requests in (`init`, `exec`, `pull`, `push`, `trace`,
-  `ping`, `exit`), replies out (`hello`, `ready`, `done`, `pong`, `fatal`).
+- `ctrl` (main thread only, this module; a forked rank's is a plain Unix stream socket,
+  labkit.rank.link, an attached rank's a ZeroMQ DEALER over TCP): requests in (`init`,
+  `exec`, `pull`, `push`, `trace`, `ping`, `exit`), replies out (`hello`, `ready`, `done`,
+  `pong`, `fatal`).
 - `side` (any thread, behind a lock; labkit.rank.side): output lines, the heartbeat, and what
   the kernel sends beside the requests: Stop (latched, never lost), `leave`, `ask_stacks`.
 
-Neither socket sets a ZeroMQ identity: the kernel routes to the socket that proved who it is
-with a signed message, so another process cannot take over a rank's route by claiming its name.
+`side` is a ZeroMQ DEALER. No socket sets a ZeroMQ identity: the kernel routes to the socket
+that proved who it is with a signed message, so another process cannot take over a rank's
+route by claiming its name.
 
 The messages are typed in `labkit.wire.messages`; what a rank starts with, in `RankConfig`.
 
@@ -38,6 +41,7 @@ import zmq
 
 from labkit.rank import debugger, process_group, progress, trace
 from labkit.rank.capture import Capture
+from labkit.rank.link import CtrlLink
 from labkit.rank.side import SideChannel
 from labkit.rank.user_code import (
     call_function,
@@ -48,6 +52,7 @@ from labkit.rank.user_code import (
 )
 from labkit.wire.codec import Codec, dumps
 from labkit.wire.config import RankConfig
+from labkit.wire.framed import SCHEME, LinkBroken
 from labkit.wire.logfile import log_path
 from labkit.wire.messages import (
     Debug,
@@ -91,7 +96,9 @@ class Rank(SideChannel):
         self.store: Any = None
         self.ns: dict[str, Any] = {}
 
-    def _connect(self, endpoint: str) -> zmq.Socket:
+    def _connect(self, endpoint: str) -> Any:
+        if endpoint.startswith(SCHEME):  # a forked rank's ctrl: no ZeroMQ thread in between
+            return CtrlLink(endpoint)
         sock = self.ctx.socket(zmq.DEALER)  # no identity: the kernel routes by signed messages
         if self.cfg.attached:  # over TCP: notice a kernel that is gone
             sock.setsockopt(zmq.HEARTBEAT_IVL, 1000)
@@ -196,6 +203,10 @@ class Rank(SideChannel):
                 msg = self.codec.decode(self.ctrl.recv_multipart(copy=False))
             except KeyboardInterrupt:
                 continue
+            except LinkBroken as exc:  # the kernel is gone, or its link is corrupt: leave
+                print(f"labkit rank {self.rank}: leaving: ctrl link: {exc}", file=sys.stderr)
+                self.capture.flush(timeout=1.0)
+                os._exit(1)
             except Exception as exc:  # a forged or corrupt message: log it, never unpickle
                 print(f"labkit rank {self.rank}: rejected a message: {exc}", file=sys.stderr)
                 continue

@@ -14,7 +14,7 @@ from typing import Any
 
 BACKENDS = ("gloo", "nccl")  # resolved: the kernel or the torchrun rank has replaced "auto"
 DEVICES = ("cpu", "cuda")
-ENDPOINT_SCHEMES = ("ipc://", "tcp://")
+ENDPOINT_SCHEMES = ("unix://", "ipc://", "tcp://")
 MIN_KEY_BYTES = 16
 
 
@@ -59,8 +59,8 @@ class RankConfig:
             endpoint = getattr(self, name)
             if not isinstance(endpoint, str) or not endpoint.startswith(ENDPOINT_SCHEMES):
                 raise ValueError(
-                    f"{name} must be a ZeroMQ endpoint starting with "
-                    f"{' or '.join(ENDPOINT_SCHEMES)}, got {endpoint!r}"
+                    f"{name} must be an endpoint starting with "
+                    f"{', '.join(ENDPOINT_SCHEMES)}, got {endpoint!r}"
                 )
         if not isinstance(self.key, bytes) or len(self.key) < MIN_KEY_BYTES:
             got = f"{len(self.key)} bytes" if isinstance(self.key, bytes) else repr(self.key)
