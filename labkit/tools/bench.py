@@ -135,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
         (
             "no-op lab.run after 20 ms idle",
             _ms(main_n["noop_idle_s"]),
-            f"{_ms(echo)} zmq echo, {n} idle procs",
+            f"{_ms(echo)} echo, {n} idle procs",
             f"+{(main_n['noop_idle_s'] - echo) * 1e3:.2f} ms",
             "-",
             "-",
@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         "floors: `import torch` in a fresh process; the kernel's own no-op cell; the same "
         "all_reduce in plain torch.distributed processes (gloo, same threads per rank); a copy "
         "of the same bytes in this process; an empty message to as many idle plain processes "
-        "and back (zmq, ipc). Medians; no-op cells through a real kernel are interleaved "
-        "pairs, the scaling table's cells go through lab.run."
+        "and back (over the same Unix socket links). Medians; no-op cells through a real "
+        "kernel are interleaved pairs, the scaling table's cells go through lab.run."
     )
     if ipp:
         print(f"ipyparallel {ipp['version']}: {n} engines started in this run.")

@@ -4,8 +4,9 @@
   (gloo, the thread budget labkit gives its ranks), timed inside the processes: the floor of a
   collective cell, measured in blocks interleaved with labkit's (`bench_labkit.collective`);
 - `raw_roundtrip`: an empty message to `n` idle plain Python processes and back, over the same
-  kind of sockets as labkit's (a zmq ROUTER on ipc, one DEALER per process): the floor of a
-  no-op cell once the processes have gone idle;
+  sockets as a forked lab's ctrl links (labkit.kernel.direct and labkit.rank.link, with no
+  signing, no pickling and no torch): the floor of a no-op cell once the processes have gone
+  idle;
 - `ipyparallel_cells`: ipyparallel's engines doing the same work from the same process
   (start, a no-op cell, the collective cell, a pull), when ipyparallel is installed
   (`pip install labkit[bench]`); None when it is not.
@@ -110,34 +111,30 @@ class RawAllreduce:
 
 
 ECHO = textwrap.dedent("""
-    import sys, zmq
-    sock = zmq.Context().socket(zmq.DEALER)
-    sock.connect(sys.argv[1])
-    sock.send(b"hello")
-    while (msg := sock.recv()) != b"exit":
-        sock.send(msg)
+    import sys
+    from labkit.rank.link import CtrlLink
+    sock = CtrlLink(sys.argv[1])
+    sock.send_multipart([b"hello"])
+    while (msg := sock.recv_multipart()) != [b"exit"]:
+        sock.send_multipart(msg)
 """)
 
 
 def raw_roundtrip(n: int, reps: int, idle: float) -> float:
     """Median seconds to send an empty message to `n` plain processes and get every echo back,
     each time after `idle` seconds of quiet (no torch, no signing, no Python work per message
-    beyond pyzmq's)."""
+    beyond the framing's)."""
     import tempfile
 
-    import zmq
+    from labkit.kernel.direct import DirectRouter
 
     with tempfile.TemporaryDirectory(prefix="labkit-bench-") as tmp:
-        endpoint = f"ipc://{tmp}/echo"
-        router = zmq.Context.instance().socket(zmq.ROUTER)
-        router.bind(endpoint)
-        procs = [subprocess.Popen([sys.executable, "-c", ECHO, endpoint]) for _ in range(n)]
+        router = DirectRouter(os.path.join(tmp, "echo"))
+        procs = [subprocess.Popen([sys.executable, "-c", ECHO, router.endpoint]) for _ in range(n)]
         try:
-            poller = zmq.Poller()
-            poller.register(router, zmq.POLLIN)
             ids = []
             for _ in range(n):
-                if not poller.poll(120_000):
+                if not router.poll(120_000):
                     raise RuntimeError("the echo processes did not start in 120 s")
                 ids.append(router.recv_multipart()[0])
             times = []
@@ -156,9 +153,9 @@ def raw_roundtrip(n: int, reps: int, idle: float) -> float:
                 try:
                     p.wait(timeout=10)
                 except subprocess.TimeoutExpired:
-                    p.kill()
+                    p.kill()  # our own child, by its Popen handle
                     p.wait()
-            router.close(linger=0)
+            router.close()
     return statistics.median(times)
 
 
