@@ -17,6 +17,7 @@ from __future__ import annotations
 import ipaddress
 import socket
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import zmq
@@ -59,10 +60,8 @@ class Admission:
     rejected: int
     routes: dict[int, bytes]
     codec: Any
-    ctrl: zmq.Socket
-
-    def _post(self, *event: Any) -> None:  # Channel's
-        raise NotImplementedError
+    ctrl: Any  # a ZeroMQ ROUTER, or a DirectRouter (labkit.kernel.direct)
+    _post: Callable[..., None]  # SideIO's
 
     def _from_its_route(self, msg: dict[str, Any], ident: bytes) -> bool:
         """Whether `msg` came over the route its rank signed in from (a hello or attach sets it).

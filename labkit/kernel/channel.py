@@ -4,9 +4,8 @@
   ctrl links are plain Unix stream sockets, written and read by that thread itself
   (labkit.kernel.direct: no I/O thread between a request and its rank); ranks started by
   torchrun connect to a ZeroMQ ROUTER over TCP.
-- `side` is read by the `labkit-io` thread: output lines are queued for the caller to print,
-  heartbeats update each rank's status (the line it runs, the comm op it is inside), answers to
-  `ask_stacks` are kept in `stacks` (any thread may ask: labkit.kernel.stacks).
+- `side` (ZeroMQ) is read by the `labkit-io` thread (labkit.kernel.side_io): output lines,
+  heartbeats, answers to `ask_stacks`; Stop, `leave` and `ask_stacks` go out on it.
 
 Forked ranks connect over Unix sockets in a private 0700 directory; ranks started by torchrun
 connect over TCP on the address the user chose (loopback by default).
@@ -15,7 +14,7 @@ connect over TCP on the address the user chose (loopback by default).
 arrives, notices dead ranks (the fork server reports exits at once) and calls the caller's
 `watch` (the watchdog, the live status); Ctrl-C surfaces from it as KeyboardInterrupt.
 
-Routes: a rank's sockets have no fixed ZeroMQ identity. The kernel learns the route of a rank's
+Routes: a rank's sockets have no fixed identity. The kernel learns the route of a rank's
 ctrl socket from its signed `hello` (or `attach`) and afterwards takes that rank's replies only
 from that route, so another process cannot take a rank's place by claiming its name. An
 `attach` for a rank that attached already, or after the lab stopped waiting (`attaching`), is
@@ -48,10 +47,10 @@ from labkit.kernel.direct import DirectRouter, uninterrupted
 from labkit.kernel.logs import read_tail
 from labkit.kernel.output import RankOutput
 from labkit.kernel.results import LabError, LabkitWarning
+from labkit.kernel.side_io import SideIO
 from labkit.wire import shm
 from labkit.wire.codec import AuthenticationError, Codec
-from labkit.wire.logfile import log_path
-from labkit.wire.messages import AskStacks, Done, Interrupt, KernelToRank, Leave
+from labkit.wire.messages import Done, KernelToRank
 
 CATCH_UP_S = 10.0  # the longest wait for output lines a `done` says were sent before it
 
@@ -64,7 +63,7 @@ class Stuck(Exception):
         self.died = died
 
 
-class Channel(Admission):
+class Channel(Admission, SideIO):
     """The sockets, the I/O thread and the waiting loop between a kernel and its ranks."""
 
     def __init__(self, codec: Codec, log_dir: str, listen: tuple[str, int] | None = None):
@@ -155,75 +154,6 @@ class Channel(Admission):
         if self.codec.shared is not None:
             self.codec.shared.clear()
 
-    # -- the I/O thread ---------------------------------------------------------------------
-    def _post(self, *event: Any) -> None:
-        self.events.append(event)
-        try:
-            os.write(self.wake_w, b"x")
-        except (BlockingIOError, OSError):
-            pass
-
-    def rank_exited(self, rank: int, code: int) -> None:
-        """A rank's process ended (called from the fork server's reader thread)."""
-        self.dead[rank] = code
-        self._post("exit", rank, code)
-
-    def _io_loop(self) -> None:
-        remote = self.listen is not None
-        while not self.closed:
-            try:
-                self._send_side_out()
-                if not self.side.poll(50):  # often: queued Stop messages go out on the next turn
-                    continue
-                frames = self.side.recv_multipart(copy=False)
-            except zmq.ZMQError:
-                return
-            if not self._allowed(frames[-1], warn=False):
-                continue
-            try:
-                msg = self.codec.decode(frames[1:])
-            except AuthenticationError as exc:
-                self.rejected += 1
-                self._post("rejected", str(exc))
-                continue
-            if msg.get("gen") != self.gen:
-                continue
-            self._side_routes[msg["rank"]] = frames[0].bytes
-            if msg["type"] == "stream" and remote:  # their logs are on other machines
-                self._log_remote(msg)
-            if msg["type"] == "status":
-                msg["received"] = time.monotonic()
-                self.status[msg["rank"]] = msg
-            elif msg["type"] in ("stream", "progress"):  # output and tqdm bars, in order
-                self._post("stream", msg)
-            elif msg["type"] == "stacks" and msg["id"] in self.stacks:
-                self.stacks[msg["id"]][msg["rank"]] = msg
-
-    def _send_side_out(self) -> None:
-        """Send queued side messages (Stop, leave) to ranks whose side route is known; keep the
-        others until their rank's first heartbeat shows the route; drop an older generation's."""
-        held = []
-        while self._side_out:
-            gen, rank, out = self._side_out.popleft()
-            if gen != self.gen:
-                continue
-            if rank in self._side_routes:
-                frames = self.codec.encode(out, shared=False)
-                self.side.send_multipart([self._side_routes[rank], *frames])
-            else:
-                held.append((gen, rank, out))
-        self._side_out.extend(held)
-
-    def _log_remote(self, msg: dict[str, Any]) -> None:
-        try:
-            fd = os.open(
-                log_path(self.log_dir, msg["rank"]), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600
-            )
-            with os.fdopen(fd, "ab") as f:
-                f.write(msg["text"].encode(errors="replace"))
-        except OSError:
-            pass
-
     # -- sending ----------------------------------------------------------------------------
     def encode_for_all(self, msg: KernelToRank) -> tuple[list[Any], list[str]]:
         """`msg` encoded once for several ranks, and the shared-memory segments it names (the
@@ -261,30 +191,6 @@ class Channel(Admission):
                 if sent is not None:
                     sent.append(r)
 
-    def send_side(self, ranks: Iterable[int], msg: Interrupt | AskStacks | Leave) -> None:
-        """A message on `side` (read by the rank's heartbeat thread, even while its user code
-        runs), sent by the I/O thread once the rank's first heartbeat has shown its route."""
-        for r in ranks:
-            self._side_out.append((self.gen, r, msg))
-
-    def flush_side(self, timeout: float) -> bool:
-        """Wait (at most `timeout` s) until the I/O thread has sent every queued side message."""
-        deadline = time.monotonic() + timeout
-        while self._side_out and time.monotonic() < deadline:
-            time.sleep(0.01)
-        return not self._side_out
-
-    def ask_stacks(self, ranks: Iterable[int]) -> int:
-        """Ask `ranks` for their stacks now; the answers land in `stacks[id]` (id returned)."""
-        ask = next(self._ask_ids)
-        self.stacks[ask] = {}
-        self.send_side(ranks, AskStacks(type="ask_stacks", id=ask))
-        return ask
-
-    def send_interrupt(self, ranks: Iterable[int], cell: int) -> None:
-        """Stop for `cell`: the rank latches it (see labkit.rank.side)."""
-        self.send_side(ranks, Interrupt(type="interrupt", cell=cell))
-
     # -- the one waiting loop ---------------------------------------------------------------
     def pump(
         self,
@@ -309,16 +215,9 @@ class Channel(Admission):
             held = self._held()  # read already (a Ctrl-C came as it was read): take it now
             ready = dict(self.poller.poll(0 if held else 100))
             if held or self._ctrl_ready in ready:
-                while self.ctrl.poll(0):
-                    msg = self._receive(expect, msg_id)
-                    if msg is None:
-                        continue
-                    if msg["type"] == expect and msg.get("id") == msg_id:
-                        msg["received"] = time.monotonic()  # when the watchdog knows it ended
-                        replies[msg["rank"]] = msg
-                        pending.discard(msg["rank"])
-                    elif on_other is not None:
-                        on_other(msg)
+                while (other := self._take(expect, msg_id, replies, pending)) is not None:
+                    if on_other is not None:
+                        on_other(other)
             if self.wake_r in ready:
                 try:
                     os.read(self.wake_r, 65536)
@@ -330,6 +229,29 @@ class Channel(Admission):
             if watch is not None:
                 watch(pending)
         return replies
+
+    def _take(
+        self,
+        expect: str,
+        msg_id: int | None,
+        replies: dict[int, dict[str, Any]],
+        pending: set[int],
+    ) -> dict[str, Any] | None:
+        """Receive what is waiting on ctrl: each reply awaited goes into `replies`; returns the
+        first other message (None once nothing waits). A reply taken off the socket is kept
+        even if Ctrl-C comes meanwhile (`uninterrupted`): one dropped there would leave its
+        rank looking stuck."""
+        with uninterrupted():
+            while self.ctrl.poll(0):
+                msg = self._receive(expect, msg_id)
+                if msg is None:
+                    continue
+                if msg["type"] != expect or msg.get("id") != msg_id:
+                    return msg
+                msg["received"] = time.monotonic()  # when the watchdog knows it ended
+                replies[msg["rank"]] = msg
+                pending.discard(msg["rank"])
+        return None
 
     def _held(self) -> bool:
         """Whether messages read from the direct links wait in the router."""
