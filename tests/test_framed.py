@@ -142,12 +142,17 @@ def test_router_routes_each_link_and_drops_what_is_for_a_closed_one(tmp_path):
     assert not os.path.exists(tmp_path / "ctrl")
 
 
-def test_router_never_waits_on_a_link_that_does_not_read(tmp_path):
+def signed_in(tmp_path):
+    """A router and one link that said hello, and the link's route."""
     router = DirectRouter(str(tmp_path / "ctrl"))
     link = CtrlLink(router.endpoint)
     link.send_multipart([b"hello"])
     assert router.poll(10_000)
-    route = router.recv_multipart()[0]
+    return router, link, router.recv_multipart()[0]
+
+
+def test_router_never_waits_on_a_link_that_does_not_read(tmp_path):
+    router, link, route = signed_in(tmp_path)
     big = os.urandom(16 << 20)
     t0 = time.monotonic()
     router.send_multipart([route, b"sig", big])
@@ -166,11 +171,7 @@ def test_router_never_waits_on_a_link_that_does_not_read(tmp_path):
 
 
 def test_a_link_that_sends_bytes_that_are_not_messages_is_closed_the_others_go_on(tmp_path):
-    router = DirectRouter(str(tmp_path / "ctrl"))
-    good = CtrlLink(router.endpoint)
-    good.send_multipart([b"hello"])
-    assert router.poll(10_000)
-    route = router.recv_multipart()[0]
+    router, good, route = signed_in(tmp_path)
     junk = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     junk.connect(str(tmp_path / "ctrl"))
     junk.sendall(b"GET / HTTP/1.1\r\n\r\n")
