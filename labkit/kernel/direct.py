@@ -49,7 +49,9 @@ class uninterrupted:  # noqa: N801 - used as a `with` block, as contextlib's are
 
     def __enter__(self) -> None:
         self.old: Any = None
-        if threading.get_ident() != _MAIN:
+        # off the main thread, or a SIGINT handler set outside Python (which could not be put
+        # back): nothing to hold back, or no way to
+        if threading.get_ident() != _MAIN or _signal.getsignal(_SIGINT) is None:
             return
         self.caught = False
         self.old = _signal.signal(_SIGINT, self._catch)
