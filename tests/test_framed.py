@@ -38,7 +38,7 @@ class Pieces:
 
 
 def stream(messages) -> bytes:
-    return b"".join(header(m) + b"".join(m) for m in messages)
+    return b"".join(header(m)[0] + b"".join(m) for m in messages)
 
 
 MESSAGES = [

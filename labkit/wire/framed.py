@@ -45,10 +45,12 @@ class LinkBroken(ConnectionError):
         self.clean = clean
 
 
-def header(frames: list[Any]) -> bytes:
-    """The length prefix of `frames` (bytes, or any contiguous buffers)."""
+def header(frames: list[Any]) -> tuple[bytes, int]:
+    """The length prefix of `frames` (bytes, or any contiguous buffers), and the message's
+    size with it."""
     sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
-    return struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes)
+    head = struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes)
+    return head, len(head) + sum(sizes)
 
 
 class Outbox:
@@ -60,15 +62,13 @@ class Outbox:
     def send(self, sock: socket.socket, frames: list[Any]) -> bool:
         """Send `frames` as one message, after what is queued; what the socket does not take
         now is queued (a blocking socket takes it all). True once nothing is queued."""
-        head = header(frames)
+        head, size = header(frames)
         if not self.parts and len(frames) < IOV_MAX:  # the common case: one call, no queue
             try:
                 sent = sock.sendmsg([head, *frames])
             except (BlockingIOError, InterruptedError):
                 sent = 0
-            if sent == len(head) + sum(
-                len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames
-            ):
+            if sent == size:
                 return True
         else:
             sent = 0
