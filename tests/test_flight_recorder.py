@@ -132,3 +132,25 @@ def test_an_entry_reads_as_one_line():
     assert line == "#7 all_reduce on default_pg: scheduled, in [[4]] float"
     done = on_rank._entry(dict(raw, retired=True, duration_ms=1.5))
     assert on_rank.entry_text(done).endswith("completed, in [[4]] float, 1.500 ms")
+
+
+def test_a_dump_between_cells_waits_for_gloo_to_retire_what_already_returned(monkeypatch):
+    # gloo retires an entry on its own thread a moment after wait() returns: the dump the
+    # kernel asks for between cells reads again until it is retired; the heartbeat's does not
+    monkeypatch.setenv(on_rank.ENV, "200")
+    raw = {"collective_seq_id": 4, "profiling_name": "gloo:broadcast", "state": "scheduled"}
+    reads = []
+
+    def dump():
+        reads.append(1)
+        return {"entries": [dict(raw, retired=len(reads) >= 3)]}
+
+    monkeypatch.setattr(on_rank, "_dump", dump)
+    assert [e["state"] for e in on_rank.entries(last=1)] == ["completed"] and len(reads) == 3
+    reads.clear()
+    assert "#4 broadcast on ?: scheduled" in on_rank.tail_text() and len(reads) == 1
+
+    monkeypatch.setattr(on_rank, "_dump", lambda: {"entries": [raw]})  # open for good
+    start = time.monotonic()
+    assert on_rank.entries(last=1, settle=0.05)[0]["state"] == "scheduled"
+    assert 0.05 <= time.monotonic() - start < 5

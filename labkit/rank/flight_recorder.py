@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from typing import Any
 
 # entries torch keeps per process (a ring: the oldest go first); a dump of 200 takes ~2 ms,
@@ -24,6 +25,10 @@ BUFFER = "200"
 ENV = "TORCH_FR_BUFFER_SIZE"
 TAIL = 4  # entries a rank's stacks show
 HEADER = "Flight Recorder (torch)"  # the line the kernel finds them by (labkit.kernel.stacks)
+# gloo retires an entry on its own thread a moment after `wait()` has returned (1 call in 4 on
+# an idle machine, read at once), so a dump between cells waits up to this long for the entries
+# it shows to be retired; one that stays open (an async_op never waited on) is shown as it is
+SETTLE_S = 0.25
 
 
 def enable() -> None:
@@ -58,16 +63,25 @@ def _entry(e: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def entries(last: int | None = None) -> list[dict[str, Any]] | str:
-    """The recorded collectives, oldest first (the `last` ones), or why there are none."""
+def entries(last: int | None = None, settle: float = SETTLE_S) -> list[dict[str, Any]] | str:
+    """The recorded collectives, oldest first (the `last` ones), or why there are none.
+
+    Entries not yet retired are read again for up to `settle` seconds (SETTLE_S); the heartbeat
+    thread, which reads them while a collective may be stuck, passes 0.
+    """
     if os.environ.get(ENV, "0") in ("", "0"):
         return f"the Flight Recorder is off on this rank ({ENV} is not set, or 0)"
-    try:
-        raw = _dump().get("entries", [])
-    except Exception as exc:  # noqa: BLE001 - a private API: say what went wrong, never fail
-        return f"the Flight Recorder could not be read: {type(exc).__name__}: {exc}"
-    got = [_entry(e) for e in raw]
-    return got[-last:] if last else got
+    deadline = time.monotonic() + settle
+    while True:
+        try:
+            raw = _dump().get("entries", [])
+        except Exception as exc:  # noqa: BLE001 - a private API: say what went wrong, never fail
+            return f"the Flight Recorder could not be read: {type(exc).__name__}: {exc}"
+        got = [_entry(e) for e in raw]
+        got = got[-last:] if last else got
+        if all(e["state"] == "completed" for e in got) or time.monotonic() >= deadline:
+            return got
+        time.sleep(0.002)
 
 
 def entry_text(e: dict[str, Any]) -> str:
@@ -80,7 +94,7 @@ def entry_text(e: dict[str, Any]) -> str:
 
 def tail_text(last: int = TAIL) -> str:
     """The last `last` collectives as lines for a rank's stacks, "" when the recorder is off."""
-    got = entries(last)
+    got = entries(last, settle=0)  # the main thread may be inside one of them: show it as it is
     if isinstance(got, str):
         return "" if "is off" in got else f"{HEADER}: {got}"
     if not got:
