@@ -10,6 +10,7 @@ import torch
 
 import labkit
 from labkit import LabError, RemoteError
+from labkit.wire import framed
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -115,6 +116,16 @@ def test_large_pull_and_push(lab):
     sums = lab.run("(w.sum().item(), lr)").values_by_rank
     assert all(abs(v[0] - payload.sum().item()) < 1e-2 and v[1] == 0.25 for v in sums.values())
     assert lab.pull("big.shape", ranks=1) == {1: torch.Size([4, 1024, 1024])}
+
+
+def test_a_push_over_the_message_limit_says_so_and_sends_nothing(lab, monkeypatch):
+    monkeypatch.setattr(framed, "MAX_MESSAGE", 1 << 20)  # the kernel checks before it sends
+    lab.push(t=torch.ones(1 << 20))  # 4 MiB of tensor goes through shared memory: allowed
+    with pytest.raises(ValueError, match=r"this push is 2 MiB once pickled, over the 1 MiB"):
+        lab.push(blob=b"x" * (2 << 20), ranks=[0, 1])
+    assert lab.run("'blob' in globals(), float(t.sum())").values_by_rank == {
+        r: (False, float(1 << 20)) for r in range(4)
+    }
 
 
 def test_pull_missing_name_names_the_rank(lab):

@@ -7,6 +7,7 @@ import os
 import random
 import signal
 import socket
+import struct
 import threading
 import time
 
@@ -14,7 +15,8 @@ import pytest
 
 from labkit.kernel.direct import DirectRouter, uninterrupted
 from labkit.rank.link import CtrlLink
-from labkit.wire.framed import CHUNK, MAX_FRAMES, Inbox, LinkBroken, Outbox, header
+from labkit.wire import framed
+from labkit.wire.framed import CHUNK, MAX_FRAMES, MAX_MESSAGE, Inbox, LinkBroken, Outbox, header
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,6 +81,22 @@ def test_inbox_tells_a_cut_message_and_a_foreign_stream():
         junk = count.to_bytes(4, "little") + b"\0" * 64
         with pytest.raises(LinkBroken, match=f"a message of {count} frames"):
             Inbox().feed(Pieces(junk, iter(lambda: 100, None)))
+
+
+def test_inbox_refuses_a_length_over_the_limit_before_allocating_it(monkeypatch):
+    # the lengths arrive before the signature can be checked: 1 TiB is refused, not allocated
+    for sizes in ([1 << 40], [MAX_MESSAGE, 1]):
+        head = struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes)
+        inbox = Inbox()
+        with pytest.raises(LinkBroken, match=r"bytes, over the 2048 MiB a message may carry"):
+            inbox.feed(Pieces(head + b"\0" * 64, iter(lambda: 100, None)))
+        assert inbox.big is None and len(inbox.buf) < 100
+    monkeypatch.setattr(framed, "MAX_MESSAGE", 10)  # up to the limit is a message
+    inbox = Inbox()
+    inbox.feed(Pieces(stream([[b"x" * 4, b"y" * 6]]), iter(lambda: 100, None)))
+    assert [bytes(f) for f in inbox.messages[0]] == [b"x" * 4, b"y" * 6]
+    with pytest.raises(LinkBroken, match="a message of 11 bytes, over the 0 MiB"):
+        Inbox().feed(Pieces(stream([[b"x" * 11]]), iter(lambda: 100, None)))
 
 
 def test_outbox_keeps_what_a_full_socket_does_not_take_and_sends_it_in_order():

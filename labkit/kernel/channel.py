@@ -48,7 +48,7 @@ from labkit.kernel.logs import read_tail
 from labkit.kernel.output import RankOutput
 from labkit.kernel.results import LabError, LabkitWarning
 from labkit.kernel.side_io import SideIO
-from labkit.wire import shm
+from labkit.wire import framed, shm
 from labkit.wire.codec import AuthenticationError, Codec
 from labkit.wire.messages import Done, KernelToRank
 
@@ -159,7 +159,17 @@ class Channel(Admission, SideIO):
         """`msg` encoded once for several ranks, and the shared-memory segments it names (the
         ranks map them without unlinking: `settle` them once all replied, or gave up)."""
         kept: list[str] = []
-        return self.codec.encode(msg, kept=kept), kept
+        frames = self.codec.encode(msg, kept=kept)
+        size = framed.header(frames)[1]
+        if size > framed.MAX_MESSAGE:  # a rank's link would close on it: send nothing
+            self.settle(kept, True)
+            raise ValueError(
+                f"this {msg['type']} is {size / 2**20:.0f} MiB once pickled, over the "
+                f"{framed.MAX_MESSAGE >> 20} MiB a message to the ranks may carry; tensors "
+                "travel through shared memory and do not count: send the data as tensors, "
+                "or in parts"
+            )
+        return frames, kept
 
     def settle(self, segments: list[str], answered: bool) -> None:
         """The segments of a message from `encode_for_all`, once every rank `answered` it (kept

@@ -32,6 +32,9 @@ from typing import Any
 SCHEME = "unix://"
 COUNT = struct.Struct("<I")
 MAX_FRAMES = 4096  # more frames than any message has: a corrupt stream, not a message
+# the most bytes a message may carry, checked before anything is allocated for it (tensors go
+# through shared memory and are not in it; a rank sends a value of at most 1 GiB)
+MAX_MESSAGE = 2 << 30
 CHUNK = 256 * 1024  # one read; a frame larger than this is read into a buffer of its own
 IOV_MAX = 512  # buffers per sendmsg (Linux allows 1024)
 
@@ -145,6 +148,11 @@ class Inbox:
                 if len(buf) < COUNT.size + 8 * n:
                     return
                 self.lengths = deque(struct.unpack_from(f"<{n}Q", buf, COUNT.size))
+                if sum(self.lengths) > MAX_MESSAGE:
+                    raise LinkBroken(
+                        f"a message of {sum(self.lengths)} bytes, over the {MAX_MESSAGE >> 20} "
+                        "MiB a message may carry: the stream is not labkit's"
+                    )
                 del buf[: COUNT.size + 8 * n]
             while self.lengths:
                 size = self.lengths[0]
