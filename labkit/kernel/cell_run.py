@@ -37,6 +37,9 @@ from labkit.wire.messages import Exec, KernelToRank
 STOP_GRACE = 3.0  # seconds ranks get to stop after Stop before the cell counts as stuck
 RESEND_S = 0.5  # Stop is sent again this often while the ranks have not stopped
 ACK_S = 15.0  # a live rank that has not taken a request this long after it was sent lost it
+# the watchdog and the live status start this long into a cell: a busy rank beats every 0.25 s and
+# the status shows after a second, so a quick cell skips them (they cost ~0.1 ms a turn)
+WATCH_AFTER = 0.05
 _COLLECTIVE = re.compile(
     r"\b(all_reduce|all_gather\w*|reduce_scatter\w*|all_to_all\w*|broadcast|barrier|reduce|"
     r"scatter|gather)\s*\("
@@ -196,6 +199,8 @@ class CellRun:
 
     def _tick(self, pending: set[int]) -> None:
         """Between polls: the watchdog and the live status, and a request that never arrived."""
+        if time.monotonic() - self.started < WATCH_AFTER:
+            return
         for r in sorted(pending):
             st = self.channel.status.get(r, {})
             if st.get("received", 0.0) > self.started + ACK_S and st.get("taken", 0) < self.cell:

@@ -236,7 +236,7 @@ class Channel(Admission, SideIO):
             self.drain_events()
             if deadline is not None and time.monotonic() > deadline and pending:
                 raise Stuck(f"no reply from rank(s) {sorted(pending)} in time")
-            if watch is not None:
+            if watch is not None and pending:
                 watch(pending)
         return replies
 
