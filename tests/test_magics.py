@@ -8,7 +8,7 @@ from IPython.core.error import UsageError
 from test_kernel import Kernel
 
 from labkit.kernel.logs import read_tail
-from labkit.kernel.magics import COMMANDS, LabMagics, read_log
+from labkit.kernel.magics import COMMANDS, LabMagics, _parse, _split, read_log
 from labkit.wire.logfile import LOG_HEADER, log_path
 
 pytestmark = pytest.mark.timeout(120)
@@ -68,6 +68,24 @@ def test_lab_mistakes_say_what_is_wrong(magics, line, match):
 def test_ranks_mistakes_say_what_is_wrong(magics, line, match):
     with pytest.raises(UsageError, match=match):
         magics.ranks(line, "1")
+
+
+def test_a_bare_ranks_line_reads_as_its_defaults_every_time():
+    # a bare `%%ranks` skips argparse after its first time (labkit.kernel.magics._BARE)
+    ranks = LabMagics.ranks
+    first = _parse(ranks, _split("%%ranks", "  "))
+    assert vars(first) == {"ranks": None, "timeout": None, "profile": False}
+    first.ranks = "0"  # what one call does with its arguments never reaches the next
+    assert vars(_parse(ranks, _split("%%ranks", "1-2 --timeout 5 --profile"))) == {
+        "ranks": "1-2",
+        "timeout": 5.0,
+        "profile": True,
+    }
+    assert vars(_parse(ranks, _split("%%ranks", ""))) == {
+        "ranks": None,
+        "timeout": None,
+        "profile": False,
+    }
 
 
 def _write_log(log_dir, rank: int, parts: list[list[str]]) -> None:

@@ -76,9 +76,14 @@ def _usage(func: Callable[..., Any]) -> str:
     return "usage: %" + func.parser.format_usage().split("%", 1)[1].rstrip()
 
 
+_BARE: dict[Any, dict[str, Any]] = {}  # each magic's arguments when its line is empty
+
+
 def _split(name: str, line: str) -> list[str]:
     # shell-like words with their quotes removed, as labkit always read them (parse_argstring's
     # own split would keep the quotes of --key-file "a b")
+    if not line or line.isspace():  # the common bare `%%ranks`
+        return []
     try:
         return shlex.split(line)
     except ValueError as exc:
@@ -87,8 +92,13 @@ def _split(name: str, line: str) -> list[str]:
 
 def _parse(func: Callable[..., Any], argv: list[str]) -> argparse.Namespace:
     """Parse a magic's (or a `%lab` command's) arguments; a mistake says what, and the usage."""
+    if not argv and func in _BARE:  # a bare `%%ranks`: its defaults, without argparse's turn
+        return argparse.Namespace(**_BARE[func])
     try:
-        return func.parser.parse_args(argv)
+        parsed = func.parser.parse_args(argv)
+        if not argv:
+            _BARE[func] = dict(vars(parsed))
+        return parsed
     except UsageError as exc:
         name = "%" + func.parser.prog
         raise UsageError(
