@@ -128,6 +128,30 @@ def test_a_push_over_the_message_limit_says_so_and_sends_nothing(lab, monkeypatc
     }
 
 
+def test_a_value_limit_counts_only_what_travels_in_the_message(lab):
+    shm_dir = lab.channel.shm_dir
+
+    def busy():  # segments not free for reuse: mapped by the kernel, or lost
+        return {n for n in os.listdir(shm_dir) if not n.endswith(".free")}
+
+    lab.run("import labkit.rank.worker as w\nold, w.MAX_VALUE_BYTES = w.MAX_VALUE_BYTES, 1 << 20")
+    try:
+        big = lab.run("torch.ones(1 << 20)", ranks=0)  # 4 MiB, through /dev/shm: not counted
+        assert big[0].value_error is None and float(big[0].value.sum()) == 1 << 20
+        mapped = busy()
+        res = lab.run("(torch.ones(1 << 20), b'x' * (2 << 20))", ranks=0)
+        assert res[0].value is None and res[0].value_error.endswith(
+            "ValueError: it is 2 MiB once pickled, over the 1 MiB limit (tensors that go "
+            "through shared memory do not count)"
+        )
+        assert busy() == mapped  # the segment written for the tensor is free again
+        files = len(os.listdir(shm_dir))
+        again = lab.run("torch.full((1 << 20,), 2.0)", ranks=0)  # and it is reused
+        assert float(again[0].value[0]) == 2.0 and len(os.listdir(shm_dir)) == files
+    finally:
+        lab.run("w.MAX_VALUE_BYTES = old")
+
+
 def test_pull_missing_name_names_the_rank(lab):
     lab.run("only_on_one = 1", ranks=1)
     with pytest.raises(RemoteError, match="NameError") as info:

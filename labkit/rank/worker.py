@@ -50,9 +50,9 @@ from labkit.rank.user_code import (
     no_input,
     run_code,
 )
-from labkit.wire.codec import Codec, dumps
+from labkit.wire.codec import Codec
 from labkit.wire.config import RankConfig
-from labkit.wire.framed import SCHEME, LinkBroken
+from labkit.wire.framed import SCHEME, LinkBroken, header
 from labkit.wire.logfile import log_path
 from labkit.wire.messages import (
     Debug,
@@ -73,7 +73,7 @@ from labkit.wire.messages import (
 )
 
 REQUESTS = ("exec", "pull", "push", "trace", "debug")  # requests with a cell id, taken at most once
-MAX_VALUE_BYTES = 1 << 30
+MAX_VALUE_BYTES = 1 << 30  # what a value may add to its reply (tensors in /dev/shm do not count)
 
 
 class Rank(SideChannel):
@@ -261,20 +261,37 @@ class Rank(SideChannel):
         self._reply_with_value(reply, value if msg.get("want_value", True) else None)
 
     def _reply_with_value(self, reply: Done, value: Any) -> None:
+        """Send `reply` with `value`, encoded once. A value that cannot be pickled, or whose
+        message would carry over MAX_VALUE_BYTES (tensors that go through /dev/shm do not
+        count), goes as `value_error` instead, and the segments written for it are freed."""
         if value is not None:
+            reply.update(value=value, rank=self.rank, gen=self.gen)
+            pool = self.codec.pool
+            if pool is not None:
+                pool.written = []
             try:
-                header, buffers = dumps(value)
-                size = len(header) + sum(b.raw().nbytes for b in buffers)
+                frames = self.codec.encode(reply)
+                size = header(frames)[1]
                 if size > MAX_VALUE_BYTES:
                     raise ValueError(
-                        f"it is {size / 2**20:.0f} MiB, over the {MAX_VALUE_BYTES >> 20} MiB limit"
+                        f"it is {size / 2**20:.0f} MiB once pickled, over the "
+                        f"{MAX_VALUE_BYTES >> 20} MiB limit (tensors that go through shared "
+                        "memory do not count)"
                     )
-                reply["value"] = value
             except Exception as exc:  # noqa: BLE001
+                if pool is not None:
+                    pool.give_back(pool.written or [])
+                del reply["value"]
                 reply["value_error"] = (
                     f"the value ({type(value).__name__}) could not be sent "
                     f"to the kernel: {type(exc).__name__}: {exc}"
                 )
+            else:
+                self.ctrl.send_multipart(frames, copy=False)
+                return
+            finally:
+                if pool is not None:
+                    pool.written = None
         self.reply(reply)
 
     def pull(self, msg: Pull) -> None:

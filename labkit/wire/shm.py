@@ -115,10 +115,28 @@ class Pool:
     def __init__(self, limit: int = POOL_BYTES):
         self.limit = limit
         self.owned: dict[str, tuple[int, mmap.mmap]] = {}  # path -> (size, shared mapping)
+        self.written: list[str] | None = None  # while a list: the paths `write` hands out
 
     def write(self, directory: str, raw: memoryview) -> tuple[str, bool]:
         """Write `raw` into a segment; returns its path and whether the receiver gives it back
         (`recycle`) rather than unlinking it."""
+        path, pooled = self._write(directory, raw)
+        if self.written is not None:
+            self.written.append(path)
+        return path, pooled
+
+    def give_back(self, paths: list[str]) -> None:
+        """The segments of a message that was never sent: free for reuse, or removed."""
+        for path in paths:
+            try:
+                if path in self.owned:
+                    os.rename(path, path + FREE)
+                else:
+                    os.unlink(path)
+            except OSError:  # swept meanwhile
+                pass
+
+    def _write(self, directory: str, raw: memoryview) -> tuple[str, bool]:
         nbytes = raw.nbytes
         for path, (size, mm) in sorted(self.owned.items(), key=lambda kv: kv[1][0] != nbytes):
             if size < nbytes and self.used() - size + nbytes > self.limit:
