@@ -109,8 +109,11 @@ class Rank(SideChannel):
 
     # -- sending ---------------------------------------------------------------------------
     def reply(self, msg: RankToKernel) -> None:
+        self.ctrl.send_multipart(self._encode(msg), copy=False)
+
+    def _encode(self, msg: RankToKernel) -> list[Any]:
         msg.update(rank=self.rank, gen=self.gen)
-        self.ctrl.send_multipart(self.codec.encode(msg), copy=False)
+        return self.codec.encode(msg)
 
     def stream(self, name: str, text: str) -> None:
         self.send_side(Stream(type="stream", name=name, text=text, cell=self.busy_cell))
@@ -265,12 +268,12 @@ class Rank(SideChannel):
         message would carry over MAX_VALUE_BYTES (tensors that go through /dev/shm do not
         count), goes as `value_error` instead, and the segments written for it are freed."""
         if value is not None:
-            reply.update(value=value, rank=self.rank, gen=self.gen)
+            reply["value"] = value
             pool = self.codec.pool
             if pool is not None:
                 pool.written = []
             try:
-                frames = self.codec.encode(reply)
+                frames = self._encode(reply)
                 size = header(frames)[1]
                 if size > MAX_VALUE_BYTES:
                     raise ValueError(

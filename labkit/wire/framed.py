@@ -148,9 +148,9 @@ class Inbox:
                 if len(buf) < COUNT.size + 8 * n:
                     return
                 self.lengths = deque(struct.unpack_from(f"<{n}Q", buf, COUNT.size))
-                if sum(self.lengths) > MAX_MESSAGE:
+                if (total := sum(self.lengths)) > MAX_MESSAGE:
                     raise LinkBroken(
-                        f"a message of {sum(self.lengths)} bytes, over the {MAX_MESSAGE >> 20} "
+                        f"a message of {total} bytes, over the {MAX_MESSAGE >> 20} "
                         "MiB a message may carry: the stream is not labkit's"
                     )
                 del buf[: COUNT.size + 8 * n]
