@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import random
-import signal
 import socket
 import struct
 import threading
@@ -13,7 +12,7 @@ import time
 
 import pytest
 
-from labkit.kernel.direct import DirectRouter, uninterrupted
+from labkit.kernel.direct import DirectRouter
 from labkit.rank.link import CtrlLink
 from labkit.wire import framed
 from labkit.wire.framed import CHUNK, MAX_FRAMES, MAX_MESSAGE, Inbox, LinkBroken, Outbox, header
@@ -202,29 +201,3 @@ def test_a_link_that_sends_bytes_that_are_not_messages_is_closed_the_others_go_o
     junk.close()
     good.close()
     router.close()
-
-
-def test_uninterrupted_holds_ctrl_c_back_until_the_block_ends():
-    reached = []
-    with pytest.raises(KeyboardInterrupt):
-        with uninterrupted():
-            os.kill(os.getpid(), signal.SIGINT)
-            time.sleep(0.05)  # Python would run the handler here, between two calls
-            reached.append("end of block")
-    assert reached == ["end of block"]
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
-    with uninterrupted():  # nothing pressed: nothing raised
-        reached.append("quiet")
-    errors = []
-
-    def other_thread():
-        try:
-            with uninterrupted():  # off the main thread it changes nothing
-                reached.append("thread")
-        except Exception as exc:  # noqa: BLE001
-            errors.append(exc)
-
-    t = threading.Thread(target=other_thread)
-    t.start()
-    t.join(10)
-    assert reached[-2:] == ["quiet", "thread"] and not errors

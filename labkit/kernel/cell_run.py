@@ -30,6 +30,7 @@ from labkit.kernel.debug import DebugFrontend
 from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.live import LiveStatus
 from labkit.kernel.results import CellState, LabkitWarning, RankResult, Results
+from labkit.kernel.sigint import armed
 from labkit.kernel.stacks import STUCK_WAIT_S, collect, gather, stuck_text
 from labkit.kernel.watchdog import Watchdog, diagnose, op_text
 from labkit.wire.messages import Exec, KernelToRank
@@ -123,18 +124,19 @@ class CellRun:
         frames, segments = self.channel.encode_for_all(msg)  # tensors written once for all
         try:
             try:
-                pressed = self._send(msg, frames)
-                if pressed:
-                    raise KeyboardInterrupt
-                self.channel.pump(
-                    set(self.targets),
-                    "done",
-                    msg_id=self.cell,
-                    deadline=deadline,
-                    replies=self.replies,
-                    watch=self._tick,
-                    on_other=DebugFrontend(self.channel, post_mortem=msg["type"] == "debug"),
-                )
+                with armed():  # one handler for the cell's sends and reads: no syscall each
+                    pressed = self._send(msg, frames)
+                    if pressed:
+                        raise KeyboardInterrupt
+                    self.channel.pump(
+                        set(self.targets),
+                        "done",
+                        msg_id=self.cell,
+                        deadline=deadline,
+                        replies=self.replies,
+                        watch=self._tick,
+                        on_other=DebugFrontend(self.channel, post_mortem=msg["type"] == "debug"),
+                    )
             except KeyboardInterrupt:
                 self._stop()
         except Stuck as exc:

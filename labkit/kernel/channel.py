@@ -43,11 +43,12 @@ from typing import Any
 import zmq
 
 from labkit.kernel.admission import Admission
-from labkit.kernel.direct import DirectRouter, uninterrupted
+from labkit.kernel.direct import DirectRouter
 from labkit.kernel.logs import read_tail
 from labkit.kernel.output import RankOutput
 from labkit.kernel.results import LabError, LabkitWarning
 from labkit.kernel.side_io import SideIO
+from labkit.kernel.sigint import uninterrupted
 from labkit.wire import framed, shm
 from labkit.wire.codec import AuthenticationError, Codec
 from labkit.wire.messages import Done, KernelToRank

@@ -14,59 +14,24 @@ All of the router's sockets are in one epoll set, whose own descriptor `fileno()
 readable when any of them has something to do.
 
 The thread that calls a lab is the one Ctrl-C (Stop) interrupts, and a stream must not lose a
-byte (labkit.wire.framed): each send, and each turn of reads, runs `uninterrupted`, which holds
-SIGINT back for its microseconds and raises it right after.
+byte (labkit.wire.framed): each send, and each turn of reads, runs `uninterrupted`
+(labkit.kernel.sigint), which holds SIGINT back for its microseconds and raises it right after.
 """
 
 from __future__ import annotations
 
-import _signal
 import itertools
 import os
 import select
-import signal
 import socket
-import threading
 import time
 from collections import deque
 from typing import Any
 
+from labkit.kernel.sigint import uninterrupted
 from labkit.wire.framed import SCHEME, Inbox, LinkBroken, Outbox
 
-_MAIN = threading.main_thread().ident
-_SIGINT = int(signal.SIGINT)
 READS_PER_TURN = 64  # reads of one link per wake-up (up to 16 MiB); SIGINT waits for them
-
-
-class uninterrupted:  # noqa: N801 - used as a `with` block, as contextlib's are
-    """Hold SIGINT back in this block (main thread; other threads never get KeyboardInterrupt),
-    then hand a SIGINT that came meanwhile to the handler that was set (it raises, as usual).
-
-    `_signal.signal` is `signal.signal` without its enum conversions (10x cheaper): a cell
-    enters one of these blocks for each request and each reading of the replies."""
-
-    __slots__ = ("old", "caught")
-
-    def __enter__(self) -> None:
-        self.old: Any = None
-        # off the main thread, or a SIGINT handler set outside Python (which could not be put
-        # back): nothing to hold back, or no way to
-        if threading.get_ident() != _MAIN or _signal.getsignal(_SIGINT) is None:
-            return
-        self.caught = False
-        self.old = _signal.signal(_SIGINT, self._catch)
-
-    def _catch(self, signum: int, frame: Any) -> None:
-        self.caught = True
-
-    def __exit__(self, *exc: object) -> None:
-        if self.old is None:
-            return
-        _signal.signal(_SIGINT, self.old)
-        if self.caught and callable(self.old):
-            self.old(_SIGINT, None)
-        elif self.caught and self.old == _signal.SIG_DFL:
-            raise KeyboardInterrupt
 
 
 def listen(path: str) -> socket.socket:

@@ -17,7 +17,7 @@ the rest.
 A stream must never lose a byte: a KeyboardInterrupt raised after `recv` returned and before
 its bytes were kept would lose them, and every message after them. So neither class may be
 interrupted between a read or write and its bookkeeping: the kernel holds SIGINT back around
-them (labkit.kernel.direct.uninterrupted), and a rank reads and writes its link only where its
+them (labkit.kernel.sigint.uninterrupted), and a rank reads and writes its link only where its
 SIGINT handler does not raise (outside user code).
 """
 
