@@ -168,6 +168,35 @@ def signed_in(tmp_path):
     return router, link, router.recv_multipart()[0]
 
 
+class CountedReads:
+    """A socket whose reads are counted (what the router reads a link through)."""
+
+    def __init__(self, sock):
+        self.sock, self.reads = sock, 0
+
+    def recv_into(self, *args):
+        self.reads += 1
+        return self.sock.recv_into(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.sock, name)
+
+
+def test_the_router_reads_a_short_reply_once_and_a_long_one_whole(tmp_path):
+    router, link, route = signed_in(tmp_path)
+    counted = router.by_route[route].sock = CountedReads(router.by_route[route].sock)
+    link.send_multipart([b"done", b"x" * 100])
+    assert router.poll(10_000) and router.recv_multipart() == [route, b"done", b"x" * 100]
+    assert counted.reads == 1, "a read that took less than it asked for emptied the socket"
+    big = random.randbytes(3 * CHUNK + 5)
+    sender = threading.Thread(target=link.send_multipart, args=([b"done", big],))
+    sender.start()
+    assert router.poll(10_000) and router.recv_multipart() == [route, b"done", big]
+    sender.join(10)
+    link.close()
+    router.close()
+
+
 def test_router_never_waits_on_a_link_that_does_not_read(tmp_path):
     router, link, route = signed_in(tmp_path)
     big = os.urandom(16 << 20)

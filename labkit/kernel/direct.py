@@ -140,6 +140,8 @@ class DirectRouter:
         try:
             for _ in range(READS_PER_TURN):  # a large reply: many reads, Stop held back for few
                 link.inbox.feed(link.sock)
+                if link.inbox.drained:  # nothing more now: no read just to hear EAGAIN
+                    break
         except BlockingIOError:
             pass
         except LinkBroken as exc:

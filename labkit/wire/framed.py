@@ -109,6 +109,7 @@ class Inbox:
         self.messages: deque[list[Any]] = deque()
         self.scratch = bytearray(CHUNK)  # each read lands here (a fresh bytes per read costs
         self.view = memoryview(self.scratch)  # a large allocation)
+        self.drained = False  # the last read emptied the socket (it took less than it could)
 
     def feed(self, sock: socket.socket) -> None:
         """One read from `sock` (BlockingIOError if it has nothing; LinkBroken at its end)."""
@@ -118,6 +119,7 @@ class Inbox:
     def _read(self, sock: socket.socket) -> None:
         if self.big is not None:
             n = sock.recv_into(memoryview(self.big)[self.big_at :])
+            self.drained = False  # a large frame streams in: read on until the socket is dry
             if not n:
                 raise LinkBroken("the link was closed in the middle of a message")
             self.big_at += n
@@ -128,6 +130,7 @@ class Inbox:
                 self.lengths.popleft()
         else:
             n = sock.recv_into(self.scratch)
+            self.drained = n < CHUNK
             if not n:
                 cut = bool(self.buf) or self.lengths is not None
                 raise LinkBroken(
