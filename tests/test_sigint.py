@@ -103,7 +103,7 @@ def test_armed_blocks_set_no_handler_and_ctrl_c_between_them_is_raised_at_once(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
-def test_armed_leaves_a_handler_someone_else_set_meanwhile(handler_changes):
+def test_armed_leaves_a_handler_someone_else_set_meanwhile():
     def theirs(signum, frame):
         pass
 

@@ -73,19 +73,19 @@ def _disarm() -> None:
 class uninterrupted:  # noqa: N801 - used as a `with` block, as contextlib's are
     """Hold SIGINT back in this block (main thread), then hand it to the handler that was set."""
 
-    __slots__ = ("counted", "armed")
+    __slots__ = ("counted", "set_it")
 
     def __enter__(self) -> None:
         self.counted = threading.get_ident() == _MAIN
         if self.counted:
-            self.armed = _arm()
+            self.set_it = _arm()  # the outermost block, outside `armed()`
             _S.depth += 1
 
     def __exit__(self, *exc: object) -> None:
         if not self.counted:
             return
         _S.depth -= 1
-        if self.armed:
+        if self.set_it:
             _disarm()
         if _S.caught and not _S.depth:
             _S.caught = False
