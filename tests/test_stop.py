@@ -18,6 +18,7 @@ import pytest
 import labkit
 from labkit import LabError, LabkitWarning, RemoteError
 from labkit.kernel.policy import threads_per_rank
+from labkit.rank import side
 from labkit.rank.link import CtrlLink
 from labkit.wire.codec import Codec, new_key
 
@@ -99,6 +100,35 @@ def test_stop_says_which_rank_is_inside_a_cpp_op(lab):
     assert "Stop was pressed" in text and "rank 0 is inside recv" in text, text
     assert "variables on the ranks were lost" in text
     assert lab.run("rank").values_by_rank == {0: 0, 1: 1}
+
+
+def _wakeups(pid: int, tid: int) -> int:
+    with open(f"/proc/{pid}/task/{tid}/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("voluntary_ctxt"))
+
+
+def test_an_idle_rank_wakes_less_often_and_still_takes_stop_at_once(lab):
+    """Once a rank has had no cell for DROWSY_AFTER_S, its heartbeat thread reads the side
+    channel every SIDE_POLL_IDLE_S, not every SIDE_POLL_S (an idle lab costs the machine
+    less). A Stop pressed as the next cell starts is still taken, and nothing is restarted."""
+    lab.run("import threading\nkept = rank")
+    tids = lab.run(
+        "next(t.native_id for t in threading.enumerate() if t.name == 'labkit-heartbeat')"
+    ).values_by_rank
+    time.sleep(side.DROWSY_AFTER_S + 0.5)
+    before = {r: _wakeups(lab.pids[r], tids[r]) for r in tids}
+    time.sleep(2.0)
+    woke = {r: _wakeups(lab.pids[r], tids[r]) - before[r] for r in tids}
+    # 2 s of 50 ms polls would be 40 wake-ups; of 0.25 s polls, 8 (and a heartbeat a second)
+    assert all(n <= 2.0 / side.SIDE_POLL_IDLE_S + 4 for n in woke.values()), woke
+    gen, t0, timer = lab.channel.gen, time.monotonic(), press_stop_after(0.1)
+    try:
+        res = lab.run("while True:\n    pass")
+    finally:
+        timer.cancel()
+    assert {r.error["type"] for r in res.values()} == {"KeyboardInterrupt"}
+    assert time.monotonic() - t0 < 10
+    assert lab.channel.gen == gen and lab.pull("kept") == {0: 0, 1: 1}
 
 
 def _press_stop_during(op, delay: float) -> None:

@@ -8,7 +8,9 @@
   (`interrupt`), `leave`, `ask_stacks` (answered with `stacks`, labkit.rank.stacks, even while
   busy).
 - Stop is latched, never lost: the kernel sends `interrupt` for a cell and re-sends it while it
-  waits; the heartbeat thread reads it within `SIDE_POLL_S` while a cell runs. The rank
+  waits; the heartbeat thread reads it within `SIDE_POLL_S` while a cell runs (within
+  `SIDE_POLL_IDLE_S` of the start of a cell that came after `DROWSY_AFTER_S` of quiet: an idle
+  rank's thread wakes less often). The rank
   remembers the cell; if its user code runs, it raises KeyboardInterrupt there (again every
   `RESTOP_S` while it keeps running); if the cell has not started yet, it is not run at all.
 - A rank attached over TCP leaves when the kernel's link drops; a forked one when its parent
@@ -34,6 +36,10 @@ from labkit.wire.messages import RankToKernel, Stacks, Status
 HEARTBEAT_IDLE = 1.0
 HEARTBEAT_BUSY = 0.25
 SIDE_POLL_S = 0.05  # how often the heartbeat thread reads Stop and requests for stacks
+# ... and how often once the rank has had no request for DROWSY_AFTER_S: an idle lab's ranks
+# wake 4 times a second instead of 20 (a Stop for the next cell is read as it begins anyway)
+SIDE_POLL_IDLE_S = 0.25
+DROWSY_AFTER_S = 2.0
 RESTOP_S = 1.0  # a stopped cell whose code goes on running is interrupted again after this
 
 
@@ -48,6 +54,7 @@ class SideChannel:
     side_lock: threading.Lock
     stream_seq: int
     busy_cell: int | None
+    quiet_since: float  # when the last cell ended (the main thread sets it)
     in_user_code: bool
     taken: int
     stop_cell: int | None
@@ -136,10 +143,20 @@ class SideChannel:
             busy = self.busy_cell is not None
             until = time.monotonic() + (HEARTBEAT_BUSY if busy else HEARTBEAT_IDLE)
             while time.monotonic() < until:
-                time.sleep(SIDE_POLL_S)
+                time.sleep(self._poll_interval())
                 if self.busy_cell is not None and not busy:
                     break  # a cell began: say so now
                 self._read_side()
+
+    def _poll_interval(self) -> float:
+        """SIDE_POLL_S while a cell runs or soon after one; SIDE_POLL_IDLE_S once quiet."""
+        if self.busy_cell is not None or self.debugging:
+            return SIDE_POLL_S
+        return (
+            SIDE_POLL_S
+            if time.monotonic() - self.quiet_since < DROWSY_AFTER_S
+            else SIDE_POLL_IDLE_S
+        )
 
     def _read_side(self) -> None:
         """Take what the kernel sent on `side`, then send the stacks it asked for."""

@@ -88,6 +88,7 @@ class Rank(SideChannel):
         self.side_lock = threading.Lock()
         self.stream_seq = 0
         self.busy_cell: int | None = None
+        self.quiet_since = time.monotonic()
         self.in_user_code = False
         self.taken = 0  # the id of the last request taken (ids only grow)
         self.stop_cell: int | None = None  # Stop latched for this cell
@@ -250,6 +251,7 @@ class Rank(SideChannel):
         duration = time.perf_counter() - t0
         self.capture.flush()
         self.busy_cell = None
+        self.quiet_since = time.monotonic()
         reply = Done(
             type="done",
             id=cell,
