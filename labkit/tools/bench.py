@@ -25,10 +25,15 @@ installed (`pip install 'labkit[bench]'`); the output says so when it is not.
 
 Where a cell's time goes (`bench_labkit.dispatch`): for a no-op cell back to back and after
 20 ms idle, and the all_reduce cell after idle, when the first and last rank began it, the op
-after the last began, the reply, and the CPU per cell of the kernel's thread and of each rank.
+after the last began, the reply, the CPU per cell of the kernel's thread and of each rank, and
+the least time that CPU allows when spread over every core (a no-op cell close to it is short
+of cores, not waiting on anything); and what a rank spends with no cell at all.
 
-The scaling table: start, restart, a no-op cell (back to back, and after 20 ms idle), the
-all_reduce cell and pull for 2, 4, 8 and 16 ranks, with the growth from the smallest to the largest.
+The scaling table: start, restart, a no-op cell (back to back, and after 20 ms idle) beside
+its echo floor for as many plain processes, the all_reduce cell and pull for 2, 4, 8 and 16
+ranks, with the growth from the smallest to the largest, and the floor's growth beside the
+no-op cell's: on a machine with fewer cores than ranks, even processes that only echo do not
+stay flat.
 
 Every lab is timed once its fork server's one-off warm-up import is done (`settled`).
 Timings on a shared machine are noisy: the load averages are printed before and after; read the
@@ -102,7 +107,14 @@ def main(argv: list[str] | None = None) -> int:
     rows_n = {m: scaling(m, reps) for m in sorted({*scale, n})}
     main_n = rows_n[n]
     cell, raw = collective(n, 6, reps)
-    echo = bench_others.raw_roundtrip(n, reps * 3, IDLE_S)
+    echoes = {  # the no-op cell's floor for each size: back to back, and after idle
+        m: (
+            bench_others.raw_roundtrip(m, reps * 3, 0.0),
+            bench_others.raw_roundtrip(m, reps * 3, IDLE_S),
+        )
+        for m in rows_n
+    }
+    echo = echoes[n][1]
     where = dispatch(n, reps * 3)
     ipp = None if args.no_ipyparallel else bench_others.ipyparallel_cells(n, reps, 16)
     on, off = trace_overhead(n, 50 if args.quick else 200)
@@ -111,6 +123,9 @@ def main(argv: list[str] | None = None) -> int:
         allreduce_cell_s=cell,
         raw_allreduce_s=raw,
         raw_roundtrip_s=echo,
+        raw_roundtrip_by_ranks={
+            m: {"back_to_back_s": e[0], "idle_s": e[1]} for m, e in echoes.items()
+        },
         dispatch=where,
         ipyparallel=ipp,
     )
@@ -208,7 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         "start (warm)",
         "restart",
         "no-op cell",
+        "echo",
         "after 20 ms idle",
+        "echo after idle",
         "all_reduce cell",
         "pull 16 MiB each",
         "pull vs copy",
@@ -219,7 +236,9 @@ def main(argv: list[str] | None = None) -> int:
             _ms(r["start_s"]),
             _ms(r["restart_s"]),
             _ms(r["noop_s"]),
+            _ms(echoes[m][0]),
             _ms(r["noop_idle_s"]),
+            _ms(echoes[m][1]),
             _ms(r["allreduce_s"]),
             _ms(r["pull_s"]),
             f"x{r['pull_s'] / r['copy_s']:.2f}",
@@ -236,30 +255,37 @@ def main(argv: list[str] | None = None) -> int:
         "reply",
         "kernel CPU",
         "CPU per rank",
+        f"all CPU / {os.cpu_count()} cores",
+    )
+    keys = (
+        "first_begin_s",
+        "last_begin_s",
+        "op_after_last_s",
+        "reply_s",
+        "kernel_cpu_s",
+        "rank_cpu_s",
+        "cpu_bound_s",
     )
     drows = [
-        (
-            name,
-            *(
-                f"{d[k] * 1e3:.2f} ms"
-                for k in (
-                    "first_begin_s",
-                    "last_begin_s",
-                    "op_after_last_s",
-                    "reply_s",
-                    "kernel_cpu_s",
-                    "rank_cpu_s",
-                )
-            ),
-        )
+        (name, *(f"{d[k] * 1e3:.2f} ms" if k in d else "-" for k in keys))
         for name, d in where.items()
     ]
     print(f"where a cell's time goes ({n} ranks, lab.run; times after the kernel began lab.run):")
     print(_table(dhead, drows))
     lo, hi = min(rows_n), max(rows_n)
-    for key, what in (("start_s", "start"), ("noop_s", "no-op cell"), ("pull_s", "pull")):
+    floors = {"noop_s": 0, "noop_idle_s": 1}  # which echo is the floor of which no-op cell
+    for key, what in (
+        ("start_s", "start"),
+        ("noop_s", "no-op cell"),
+        ("noop_idle_s", "no-op cell after idle"),
+        ("pull_s", "pull"),
+    ):
         growth = rows_n[hi][key] / rows_n[lo][key]
-        print(f"{what}: x{growth:.1f} from {lo} to {hi} ranks ({hi // lo}x the ranks)")
+        line = f"{what}: x{growth:.1f} from {lo} to {hi} ranks ({hi // lo}x the ranks)"
+        if key in floors:
+            i = floors[key]
+            line += f"; its echo floor x{echoes[hi][i] / echoes[lo][i]:.1f}"
+        print(line)
     print()
     print(
         "floors: `import torch` in a fresh process; the kernel's own no-op cell; the same "

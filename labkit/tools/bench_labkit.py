@@ -234,18 +234,34 @@ STAMPED = {  # a cell that returns when it began and ended on the rank (one cloc
 }
 
 
+def idle_cpu(lab: Any, seconds: float) -> float:
+    """CPU seconds per second a rank of `lab` uses with no cell running (its threads'
+    wake-ups: gloo's transport loop, labkit's heartbeat; median of the ranks)."""
+    before = lab.run("time.process_time()").values_by_rank
+    t0 = time.monotonic()
+    time.sleep(seconds)
+    after = lab.run("time.process_time()").values_by_rank
+    wall = time.monotonic() - t0
+    return statistics.median((after[r] - before[r]) / wall for r in before)
+
+
 def dispatch(n: int, reps: int) -> dict[str, dict[str, float]]:
     """Where a cell's time goes, on `n` ranks: for a no-op cell (back to back, and after
     IDLE_S of quiet) and the all_reduce cell (after quiet), medians over `reps` cells of: when
     the first and the last rank began the cell (after the kernel began `lab.run`), how long the
-    op ran after the last rank began it, the reply (last rank's end to `lab.run` returning), and
-    the CPU each cell cost the kernel's thread and each rank's process (all its threads)."""
+    op ran after the last rank began it, the reply (last rank's end to `lab.run` returning), the
+    CPU each cell cost the kernel's thread and each rank's process (all its threads), and the
+    least wall time that CPU allows on this machine's cores (`cpu_bound_s`: a cell slower than
+    it is waiting, one close to it is short of cores). One more row, with `rank_cpu_s` only:
+    what a rank spends in IDLE_S with no cell at all."""
     import labkit
 
     lab = settled(labkit.Lab(n, device="cpu"))
     out: dict[str, dict[str, float]] = {}
     try:
         lab.run(f"import time\nt = torch.randn({bench_others.NUMEL})\ndist.all_reduce(t)")
+        quiet = idle_cpu(lab, reps * IDLE_S)
+        out["no cell (the ranks idle)"] = {"rank_cpu_s": quiet * IDLE_S}
         for name, idle, what in (
             ("no-op, back to back", 0.0, "no-op"),
             (f"no-op, after {IDLE_S * 1e3:.0f} ms idle", IDLE_S, "no-op"),
@@ -266,13 +282,18 @@ def dispatch(n: int, reps: int) -> dict[str, dict[str, float]]:
                 )
             cpu1 = lab.run("time.process_time()").values_by_rank
             med = [statistics.median(r[i] for r in rows) for i in range(4)]
+            rank_cpu = statistics.median((cpu1[r] - cpu0[r]) / (reps + 1) for r in cpu0)
             out[name] = {
                 "first_begin_s": med[0],
                 "last_begin_s": med[1],
                 "op_after_last_s": med[2],
                 "reply_s": med[3],
                 "kernel_cpu_s": kernel_cpu / reps,
-                "rank_cpu_s": statistics.median((cpu1[r] - cpu0[r]) / (reps + 1) for r in cpu0),
+                "rank_cpu_s": rank_cpu,
+                # the least wall time this CPU allows, all of it spread over every core: what
+                # the cell itself cost (the ranks' CPU of the quiet before it taken out)
+                "cpu_bound_s": (kernel_cpu / reps + n * max(0.0, rank_cpu - idle * quiet))
+                / (os.cpu_count() or 1),
             }
     finally:
         lab.stop()
