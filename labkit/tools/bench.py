@@ -27,7 +27,8 @@ Where a cell's time goes (`bench_labkit.dispatch`): for a no-op cell back to bac
 20 ms idle, and the all_reduce cell after idle, when the first and last rank began it, the op
 after the last began, the reply, the CPU per cell of the kernel's thread and of each rank, and
 the least time that CPU allows when spread over every core (a no-op cell close to it is short
-of cores, not waiting on anything); and what a rank spends with no cell at all.
+of cores, not waiting on anything); and what a rank spends with no cell, soon after one and
+once the lab has been left alone for 2 s (its heartbeat thread then polls less often).
 
 The scaling table: start, restart, a no-op cell (back to back, and after 20 ms idle) beside
 its echo floor for as many plain processes, the all_reduce cell and pull for 2, 4, 8 and 16

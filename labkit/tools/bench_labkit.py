@@ -10,6 +10,7 @@ import sys
 import time
 from typing import Any
 
+from labkit.rank.side import DROWSY_AFTER_S
 from labkit.tools import bench_others
 
 IDLE_S = 0.02  # the quiet before each "after idle" no-op cell
@@ -252,8 +253,8 @@ def dispatch(n: int, reps: int) -> dict[str, dict[str, float]]:
     op ran after the last rank began it, the reply (last rank's end to `lab.run` returning), the
     CPU each cell cost the kernel's thread and each rank's process (all its threads), and the
     least wall time that CPU allows on this machine's cores (`cpu_bound_s`: a cell slower than
-    it is waiting, one close to it is short of cores). One more row, with `rank_cpu_s` only:
-    what a rank spends in IDLE_S with no cell at all."""
+    it is waiting, one close to it is short of cores). Two more rows, with `rank_cpu_s` only:
+    what a rank spends in IDLE_S with no cell, soon after one and once the lab is left alone."""
     import labkit
 
     lab = settled(labkit.Lab(n, device="cpu"))
@@ -295,6 +296,8 @@ def dispatch(n: int, reps: int) -> dict[str, dict[str, float]]:
                 "cpu_bound_s": (kernel_cpu / reps + n * max(0.0, rank_cpu - idle * quiet))
                 / (os.cpu_count() or 1),
             }
+        time.sleep(DROWSY_AFTER_S + 0.5)  # a lab left alone: its ranks poll less often
+        out["no cell for 2 s or more"] = {"rank_cpu_s": idle_cpu(lab, 5.0) * IDLE_S}
     finally:
         lab.stop()
     return out
