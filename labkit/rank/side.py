@@ -36,7 +36,7 @@ from labkit.wire.messages import RankToKernel, Stacks, Status
 HEARTBEAT_IDLE = 1.0
 HEARTBEAT_BUSY = 0.25
 SIDE_POLL_S = 0.05  # how often the heartbeat thread reads Stop and requests for stacks
-# ... and how often once the rank has had no request for DROWSY_AFTER_S: an idle lab's ranks
+# ... and how often once the rank has had no cell for DROWSY_AFTER_S: an idle lab's ranks
 # wake 4 times a second instead of 20 (a Stop for the next cell is read as it begins anyway)
 SIDE_POLL_IDLE_S = 0.25
 DROWSY_AFTER_S = 2.0

@@ -297,7 +297,8 @@ def dispatch(n: int, reps: int) -> dict[str, dict[str, float]]:
                 / (os.cpu_count() or 1),
             }
         time.sleep(DROWSY_AFTER_S + 0.5)  # a lab left alone: its ranks poll less often
-        out["no cell for 2 s or more"] = {"rank_cpu_s": idle_cpu(lab, 5.0) * IDLE_S}
+        left_alone = f"no cell for {DROWSY_AFTER_S:.0f} s or more"
+        out[left_alone] = {"rank_cpu_s": idle_cpu(lab, 5.0) * IDLE_S}
     finally:
         lab.stop()
     return out
