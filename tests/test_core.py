@@ -180,9 +180,41 @@ def test_error_names_rank_and_root_cause(lab):
 
 
 def test_syntax_error_is_local_and_lab_stays_usable(lab):
-    with pytest.raises(SyntaxError):
-        lab.run("def broken(:\n  pass")
+    for _ in range(2):  # the kernel keeps texts that parsed, never one that did not
+        with pytest.raises(SyntaxError):
+            lab.run("def broken(:\n  pass")
     assert lab.run("rank").values_by_rank == {0: 0, 1: 1, 2: 2, 3: 3}
+
+
+def test_a_text_run_again_is_not_compiled_again_and_keeps_its_lines(lab):
+    code = "n = globals().get('n', 0) + 1\nif n == 3:\n    raise ValueError('third run')\nn * 10"
+    assert lab.run(code).values_by_rank == {0: 10, 1: 10, 2: 10, 3: 10}
+    assert lab.run(code).values_by_rank == {0: 20, 1: 20, 2: 20, 3: 20}  # its last expression
+    kept = (
+        "from labkit.rank import user_code\n"
+        "sum(c.startswith('n = globals()') for c in user_code._COMPILED)"
+    )
+    assert lab.run(kept).values_by_rank == {0: 1, 1: 1, 2: 1, 3: 1}
+    lab.run("import linecache\nlinecache.clearcache()")
+    res = lab.run(code)
+    assert {r: res[r].error["type"] for r in res} == {
+        0: "ValueError",
+        1: "ValueError",
+        2: "ValueError",
+        3: "ValueError",
+    }
+    assert "raise ValueError('third run')" in res[1].error["traceback"]  # the line, shown
+
+
+def test_a_rank_keeps_the_code_of_its_latest_texts_only(monkeypatch):
+    from labkit.rank import user_code
+
+    monkeypatch.setattr(user_code, "KEEP_COMPILED", 3)
+    monkeypatch.setattr(user_code, "_COMPILED", {})
+    ns: dict = {}
+    for i in range(5):
+        assert user_code.run_code(f"x = {i}\nx + 1", f"<cell-{i}>", ns) == i + 1
+    assert list(user_code._COMPILED) == ["x = 2\nx + 1", "x = 3\nx + 1", "x = 4\nx + 1"]
 
 
 def test_unpicklable_value_is_shown_not_lost(lab):

@@ -18,6 +18,7 @@ cannot restart).
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import time
 import warnings
@@ -61,7 +62,7 @@ def exec_message(
 
         msg["fn"] = cloudpickle.dumps(code_or_function)
     elif isinstance(code_or_function, str):
-        ast.parse(code_or_function, "<cell>")  # a SyntaxError surfaces here, once
+        _check_syntax(code_or_function)  # a SyntaxError surfaces here, once
         msg["code"] = code_or_function
         if len(targets) < world_size and _COLLECTIVE.search(code_or_function):
             absent = sorted(set(range(world_size)) - set(targets))
@@ -77,6 +78,13 @@ def exec_message(
             f"run() takes code as a str or a function, got {type(code_or_function).__name__}"
         )
     return msg
+
+
+@functools.lru_cache(maxsize=256)
+def _check_syntax(code: str) -> None:
+    """Raise the code's SyntaxError; a text that parsed is not parsed again (a loop of
+    `lab.run(...)`; the ranks keep its compiled code too: labkit.rank.user_code)."""
+    ast.parse(code, "<cell>")
 
 
 @dataclass

@@ -13,13 +13,10 @@ pipe and waits until the reader has forwarded everything written before it.
 
 from __future__ import annotations
 
-import array
 import codecs
-import fcntl
 import os
 import select
 import sys
-import termios
 import threading
 from collections.abc import Callable, Sequence
 from typing import BinaryIO
@@ -29,13 +26,6 @@ from labkit.wire.logfile import LOG_HEADER
 MARKER = b"\x1e\x1flabkit-flush\x1f\x1e"
 CHUNK = 64 * 1024
 QUIET = 0.05  # seconds before a partial line is forwarded
-
-
-def _unread(fd: int) -> int:
-    """Bytes waiting in a pipe."""
-    buf = array.array("i", [0])
-    fcntl.ioctl(fd, termios.FIONREAD, buf)
-    return buf[0]
 
 
 class _Reader(threading.Thread):
@@ -86,14 +76,6 @@ class _Reader(threading.Thread):
         cut = len(self.pending) - keep
         self._emit(self.pending[:cut])
         self.pending = self.pending[cut:]
-
-    def idle(self) -> bool:
-        """Nothing written is waiting to be forwarded (checked by the rank's main thread).
-
-        `busy` is set before each read and cleared after the bytes are forwarded, so if the
-        pipe reads empty, whatever was in it is either forwarded already or still `busy`.
-        """
-        return not self.busy and not self.pending and _unread(self.fd) == 0
 
     def run(self) -> None:
         while True:
@@ -161,9 +143,20 @@ class Capture:
                 stream.flush()
             except (AttributeError, OSError, ValueError):
                 pass
-        if all(reader.idle() for reader in self.readers):
+        if self._quiet():
             return  # the common quiet cell: no marker round trip, no thread wake-ups
         for fd in (1, 2):
             os.write(fd, MARKER)
         for reader in self.readers:
             reader.flushed.acquire(timeout=timeout)
+
+    def _quiet(self) -> bool:
+        """Nothing written is waiting to be forwarded (checked by the rank's main thread, at
+        every cell's end: one select() for both pipes).
+
+        The pipes are read first: a reader sets `busy` before it reads and clears it once the
+        bytes are forwarded, so if both pipes were empty and then no reader is busy, whatever
+        was in them has been forwarded (or waits in `pending`, a partial line).
+        """
+        readable, _, _ = select.select([reader.fd for reader in self.readers], [], [], 0)
+        return not readable and not any(r.busy or r.pending for r in self.readers)

@@ -80,7 +80,8 @@ class SideChannel:
     def _take_side(self) -> None:
         """Read what the kernel sent on `side` (call with `side_lock` held): Stop, leave, and
         requests for stacks (taken before a Stop read in the same turn interrupts the cell)."""
-        while self.side.poll(0):
+        # EVENTS, not poll(0): no Poller built and no poll() call each cell
+        while self.side.getsockopt(zmq.EVENTS) & zmq.POLLIN:
             try:
                 msg = self.codec.decode(self.side.recv_multipart(copy=False))
             except Exception as exc:  # noqa: BLE001 - forged: log it, never unpickle

@@ -16,6 +16,7 @@ import os
 import sys
 import time
 import traceback
+from types import CodeType
 from typing import Any
 
 from labkit.wire.messages import DisplayInfo, RankErrorInfo, TensorInfo
@@ -33,6 +34,9 @@ _OWN_FILES = tuple(
         "profiling.py",
     )
 )
+
+KEEP_COMPILED = 256  # cell texts whose code a rank keeps (`run_code`)
+_COMPILED: dict[str, tuple[CodeType, CodeType | None]] = {}
 
 
 def call_function(fn_bytes: bytes, ns: dict[str, Any]) -> Any:
@@ -58,14 +62,37 @@ def call_function(fn_bytes: bytes, ns: dict[str, Any]) -> Any:
 
 
 def run_code(code: str, filename: str, ns: dict[str, Any]) -> Any:
-    """Run a cell's code in `ns`; return its last expression's value, as a notebook does."""
+    """Run a cell's code in `ns`; return its last expression's value, as a notebook does.
+
+    A text run before is not compiled again (a loop of `lab.run(...)`, a cell run twice): its
+    code keeps the `filename` it was first compiled under, whose lines stay in `linecache`.
+    """
+    compiled = _COMPILED.get(code)
+    if compiled is None:
+        compiled = _COMPILED[code] = _compile(code, filename)
+        if len(_COMPILED) > KEEP_COMPILED:
+            del _COMPILED[next(iter(_COMPILED))]  # the oldest
+    body, last = compiled
+    if body.co_filename not in linecache.cache:  # cleared meanwhile: tracebacks need the lines
+        linecache.cache[body.co_filename] = (
+            len(code),
+            None,
+            code.splitlines(True),
+            body.co_filename,
+        )
+    exec(body, ns)
+    return None if last is None else eval(last, ns)
+
+
+def _compile(code: str, filename: str) -> tuple[CodeType, CodeType | None]:
+    """The cell's statements, and its last expression apart (None if it ends otherwise)."""
     tree = ast.parse(code, filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
     linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
-    exec(compile(tree, filename, "exec"), ns)
+    body = compile(tree, filename, "exec")
     if last is None:
-        return None
-    return eval(compile(ast.Expression(last.value), filename, "eval"), ns)
+        return body, None
+    return body, compile(ast.Expression(last.value), filename, "eval")
 
 
 def describe(value: Any) -> DisplayInfo:
