@@ -1,0 +1,42 @@
+"""The developers' tools in scripts/ that tests do not otherwise run."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.timeout(180)
+def test_cell_timers_time_every_piece_of_a_cell():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "cell_timers.py"), "--ranks", "2"]
+        + ["--cells", "5"],
+        capture_output=True,
+        text=True,
+        timeout=170,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    kernel = re.findall(r"^kernel: (.*)$", out.stdout, re.M)
+    rank = re.findall(r"^rank: +(.*)$", out.stdout, re.M)
+    assert len(kernel) == len(rank) == 2  # after quiet, back to back
+    for k_line, r_line in zip(kernel, rank):
+        k = {name: int(us) for name, us in re.findall(r"([\w. ]+?) (\d+)(?:, |$)", k_line)}
+        r = {name: int(us) for name, us in re.findall(r"([\w. ]+?) (\d+)(?:, |$)", r_line)}
+        assert list(k) == [
+            "first request out",
+            "last request out",
+            "first reply in",
+            "last reply in",
+            "lab.run",
+        ]
+        assert k["first request out"] <= k["last request out"] <= k["last reply in"] <= k["lab.run"]
+        assert len(r) == 8 and r["decode"] > 0 and r["send"] > 0
+        # the rank's whole turn lies inside the kernel's call, and holds its pieces
+        assert r["request read to reply sent"] < k["lab.run"]
+        assert r["request read to reply sent"] >= r["encode"] + r["send"]
