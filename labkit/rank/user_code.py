@@ -35,7 +35,7 @@ _OWN_FILES = tuple(
     )
 )
 
-KEEP_COMPILED = 256  # cell texts whose code a rank keeps (`run_code`)
+KEEP_COMPILED = 256  # how many texts a rank keeps the code of, the last it compiled (`run_code`)
 _COMPILED: dict[str, tuple[CodeType, CodeType | None]] = {}
 
 
