@@ -73,13 +73,9 @@ def run_code(code: str, filename: str, ns: dict[str, Any]) -> Any:
         if len(_COMPILED) > KEEP_COMPILED:
             del _COMPILED[next(iter(_COMPILED))]  # the oldest
     body, last = compiled
-    if body.co_filename not in linecache.cache:  # cleared meanwhile: tracebacks need the lines
-        linecache.cache[body.co_filename] = (
-            len(code),
-            None,
-            code.splitlines(True),
-            body.co_filename,
-        )
+    name = body.co_filename
+    if name not in linecache.cache:  # compiled now, or cleared since: tracebacks need the lines
+        linecache.cache[name] = (len(code), None, code.splitlines(True), name)
     exec(body, ns)
     return None if last is None else eval(last, ns)
 
@@ -88,7 +84,6 @@ def _compile(code: str, filename: str) -> tuple[CodeType, CodeType | None]:
     """The cell's statements, and its last expression apart (None if it ends otherwise)."""
     tree = ast.parse(code, filename)
     last = tree.body.pop() if tree.body and isinstance(tree.body[-1], ast.Expr) else None
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)
     body = compile(tree, filename, "exec")
     if last is None:
         return body, None
