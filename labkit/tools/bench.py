@@ -5,7 +5,10 @@
 The main table (4 ranks by default; targets in the last column):
 - a no-op `%%ranks` cell through a real kernel, interleaved with the kernel's own no-op cell
   (the floor), median of 50 pairs; target: within 1 ms of the floor;
-- where that time goes: a no-op `lab.run` after 20 ms of quiet (as cells in a notebook come,
+- where that time goes: the same `lab.run` timed inside a kernel cell, at once (as `%%ranks`
+  runs it, while the kernel's own start-of-cell messages still travel to the client through
+  threads and processes that share the cores with the ranks) and 3 ms into the cell (once they
+  have gone); a no-op `lab.run` after 20 ms of quiet (as cells in a notebook come,
   so the ranks have gone idle) beside an empty message to as many idle plain processes and back
   over the same sockets (`bench_others.raw_roundtrip`), and `lab.run` back to back;
 - start of the ranks, cold (a fresh process; floor: `import torch`) and with the fork server
@@ -53,6 +56,7 @@ from typing import Any
 from labkit.tools import bench_others
 from labkit.tools.bench_labkit import (
     IDLE_S,
+    INSIDE_LATER_S,
     cold_start,
     collective,
     dispatch,
@@ -153,6 +157,14 @@ def main(argv: list[str] | None = None) -> int:
             _ms(main_n["noop_idle_s"]),
             f"{_ms(echo)} echo, {n} idle procs",
             f"+{(main_n['noop_idle_s'] - echo) * 1e3:.2f} ms",
+            "-",
+            "-",
+        ),
+        (
+            "no-op lab.run in a kernel cell",
+            _ms(k["inside_at_once_s"]),
+            f"{_ms(k['inside_later_s'])} {INSIDE_LATER_S * 1e3:.0f} ms into the cell",
+            f"+{(k['inside_at_once_s'] - k['inside_later_s']) * 1e3:.2f} ms",
             "-",
             "-",
         ),
