@@ -4,20 +4,27 @@ speed targets live in `python -m labkit.bench`, never in timed tests)."""
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 
-from labkit.tools.bench_labkit import kernel_cells
+from labkit.tools.bench_kernel import kernel_cells
 
 pytestmark = pytest.mark.timeout(240)
 
 
 def test_kernel_cells_time_a_lab_run_inside_a_cell():
     out = kernel_cells(2, cells=5, pairs=3, later_s=0.1)
-    assert set(out) == {"own", "ranks", "rss_growth", "inside_at_once_s", "inside_later_s"}
-    for key in ("own", "ranks", "inside_at_once_s", "inside_later_s"):
+    times = ("own", "ranks", "inside_at_once_s", "inside_later_s")
+    cpu = ("cpu_own_s", "cpu_cell_s", "cpu_ranks_s")
+    assert set(out) == {*times, *cpu, "rss_growth"}
+    for key in times + cpu:
         assert math.isfinite(out[key]) and out[key] > 0, out
     # a lab.run on 2 ranks is a round trip to two processes: far more than 50 us on any machine
     # (a timer around the wrong statement, or the sleep left out of `later`, would show here)
     assert out["inside_at_once_s"] > 50e-6 and out["inside_later_s"] > 50e-6, out
     assert out["inside_later_s"] < 0.1, out  # the sleep before it is not timed
+    # each rank runs Python for a cell (a timer read from the wrong process would show ~0),
+    # and a cell's CPU is at most its wall time on every core
+    assert 2 * 20e-6 < out["cpu_ranks_s"] < 2 * out["ranks"] * os.cpu_count(), out
+    assert out["cpu_own_s"] < out["own"] * os.cpu_count(), out

@@ -5,10 +5,13 @@
 The main table (4 ranks by default; targets in the last column):
 - a no-op `%%ranks` cell through a real kernel, interleaved with the kernel's own no-op cell
   (the floor), median of 50 pairs; target: within 1 ms of the floor;
-- where that time goes: the same `lab.run` timed inside a kernel cell, at once (as `%%ranks`
-  runs it, while the kernel's own start-of-cell messages still travel to the client through
-  threads and processes that share the cores with the ranks) and 3 ms into the cell (once they
-  have gone); a no-op `lab.run` after 20 ms of quiet (as cells in a notebook come,
+- where that time goes (`bench_kernel`): the same `lab.run` timed inside a kernel cell, at
+  once (as `%%ranks` runs it, while the kernel's own start-of-cell messages still travel to the
+  client through threads and processes that share the cores with the ranks) and 3 ms into the
+  cell (once they have gone); the CPU of a no-op `%%ranks` cell, all threads of the kernel
+  process and of the ranks, beside the kernel's for its own no-op cell (the floor: on a
+  machine where this sum over the cores nears the cell's time, the cell is short of cores);
+  a no-op `lab.run` after 20 ms of quiet (as cells in a notebook come,
   so the ranks have gone idle) beside an empty message to as many idle plain processes and back
   over the same sockets (`bench_others.raw_roundtrip`), and `lab.run` back to back;
 - start of the ranks, cold (a fresh process; floor: `import torch`) and with the fork server
@@ -54,13 +57,12 @@ import time
 from typing import Any
 
 from labkit.tools import bench_others
+from labkit.tools.bench_kernel import INSIDE_LATER_S, kernel_cells
 from labkit.tools.bench_labkit import (
     IDLE_S,
-    INSIDE_LATER_S,
     cold_start,
     collective,
     dispatch,
-    kernel_cells,
     scaling,
     trace_overhead,
 )
@@ -169,6 +171,14 @@ def main(argv: list[str] | None = None) -> int:
             "-",
         ),
         (
+            "CPU of a no-op cell, all threads",
+            _ms(k["cpu_cell_s"] + k["cpu_ranks_s"]),
+            f"{_ms(k['cpu_own_s'])} kernel no-op",
+            f"+{(k['cpu_cell_s'] + k['cpu_ranks_s'] - k['cpu_own_s']) * 1e3:.2f} ms",
+            "-",
+            "-",
+        ),
+        (
             "no-op lab.run back to back",
             _ms(main_n["noop_s"]),
             "-",
@@ -230,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     print()
     print(_table(head, rows))
+    print(
+        f"CPU per no-op cell, all threads: the kernel process {_ms(k['cpu_own_s'])} for its own, "
+        f"{_ms(k['cpu_cell_s'])} for a %%ranks cell, and the {n} ranks together "
+        f"{_ms(k['cpu_ranks_s'])}; {os.cpu_count()} cores"
+    )
     print()
     shead = (
         "ranks",

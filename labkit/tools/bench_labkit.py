@@ -1,5 +1,6 @@
-"""labkit's own figures for the benchmark: start, cells, pull and push, tracing's cost and the
-kernel's memory, each timed through labkit (runs in a shell, from `labkit.tools.bench`)."""
+"""labkit's own figures for the benchmark: start, cells, pull and push and tracing's cost, each
+timed through labkit (runs in a shell, from `labkit.tools.bench`; cells through a real Jupyter
+kernel: `labkit.tools.bench_kernel`)."""
 
 from __future__ import annotations
 
@@ -184,89 +185,6 @@ def trace_overhead(n: int, reps: int) -> tuple[float, float]:
         off.append(statistics.median(lab.run(code).values_by_rank.values()))
     lab.stop()
     return min(on), min(off)
-
-
-# `lab.run` timed inside a kernel cell: at once, as `%%ranks` runs it, while the kernel's own
-# start-of-cell messages (`status: busy`, `execute_input`) are still on their way to the client
-# through threads and processes that share the cores with the ranks; and once they are gone
-INSIDE = (
-    "_t0 = _bench_t.perf_counter(); lab.run('pass'); "
-    "_bench['{key}'].append(_bench_t.perf_counter() - _t0)"
-)
-INSIDE_LATER_S = 0.003
-
-
-def kernel_cells(
-    n: int, cells: int, pairs: int, later_s: float = INSIDE_LATER_S
-) -> dict[str, float]:
-    """No-op cell latency and RSS growth, through a real IPython kernel; `lab.run` timed
-    inside a cell, at once and `later_s` into it (`_inside_cells`)."""
-    from jupyter_client.manager import start_new_kernel
-
-    km, kc = start_new_kernel(kernel_name="python3")
-    try:
-
-        def run(code: str) -> float:
-            t0 = time.perf_counter()
-            reply = kc.execute_interactive(code, timeout=120, output_hook=lambda msg: None)
-            if reply["content"]["status"] != "ok":
-                raise RuntimeError(f"cell failed: {code!r}: {reply['content']}")
-            return time.perf_counter() - t0
-
-        run("%load_ext labkit")
-        run(f"%lab start {n} --device cpu")
-        run("lab.server.wait_warm()")
-        for _ in range(20):
-            run("pass")
-            run("%%ranks\npass")
-        timed = [(run("pass"), run("%%ranks\npass")) for _ in range(pairs)]
-        own = statistics.median(p[0] for p in timed)
-        ranks = statistics.median(p[1] for p in timed)
-        inside = _inside_cells(run, kc, pairs, later_s)
-        pid = km.provisioner.process.pid  # type: ignore[union-attr]
-        rss0 = _rss(pid)
-        for _ in range(cells):
-            run("%%ranks\nx = rank")
-        rss1 = _rss(pid)
-        run("%lab stop")
-        return {"own": own, "ranks": ranks, "rss_growth": rss1 - rss0, **inside}
-    finally:
-        kc.stop_channels()
-        km.shutdown_kernel(now=True)
-
-
-def _inside_cells(run: Any, kc: Any, pairs: int, later_s: float) -> dict[str, float]:
-    """Medians of a no-op `lab.run` timed inside a cell: `inside_at_once_s`, and
-    `inside_later_s` (`later_s` into the cell); interleaved, after `pass` cells."""
-    import ast
-
-    run("import time as _bench_t; _bench = {'at_once': [], 'later': []}")
-    at_once = INSIDE.format(key="at_once")
-    later = f"_bench_t.sleep({later_s}); " + INSIDE.format(key="later")
-    for _ in range(pairs):
-        run("pass")
-        run(at_once)
-        run("pass")
-        run(later)
-    reply = kc.execute_interactive(
-        "_bench_stats = __import__('statistics')",
-        timeout=120,
-        output_hook=lambda msg: None,
-        user_expressions={k: f"_bench_stats.median(_bench[{k!r}])" for k in ("at_once", "later")},
-    )
-    found = reply["content"]["user_expressions"]
-    return {
-        f"inside_{k}_s": float(ast.literal_eval(found[k]["data"]["text/plain"]))
-        for k in ("at_once", "later")
-    }
-
-
-def _rss(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 STAMPED = {  # a cell that returns when it began and ended on the rank (one clock per machine)

@@ -1,0 +1,137 @@
+"""The benchmark's cells through a real Jupyter kernel (runs in a shell, from
+`labkit.tools.bench`): a no-op `%%ranks` cell beside the kernel's own no-op cell, where its time
+goes, and the kernel's memory over many cells.
+
+Where the time goes, inside the kernel:
+- `lab.run` timed inside a cell, at once (as `%%ranks` runs it, while the kernel's own
+  start-of-cell messages, `status: busy` and `execute_input`, are still on their way to the
+  client through threads and processes that share the cores with the ranks) and `later_s` into
+  the cell, once they are gone;
+- the CPU of each cell, all threads (Linux's /proc/<pid>/task/*/schedstat): the kernel
+  process's for its own no-op cell and for a `%%ranks` no-op cell, and the ranks' together for
+  the latter. Beside the cores, it says whether a cell waits or is short of them.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import statistics
+import time
+from typing import Any
+
+INSIDE = (
+    "_t0 = _bench_t.perf_counter(); lab.run('pass'); "
+    "_bench['{key}'].append(_bench_t.perf_counter() - _t0)"
+)
+INSIDE_LATER_S = 0.003
+
+
+def kernel_cells(
+    n: int, cells: int, pairs: int, later_s: float = INSIDE_LATER_S
+) -> dict[str, float]:
+    """Medians of `pairs` interleaved no-op cells, the kernel's own (`own`) and `%%ranks`
+    (`ranks`); `lab.run` inside a cell (`_inside_cells`); CPU per cell (`_cpu_per_cell`); the
+    kernel's RSS growth over `cells` `%%ranks` cells, in MB."""
+    from jupyter_client.manager import start_new_kernel
+
+    km, kc = start_new_kernel(kernel_name="python3")
+    try:
+
+        def run(code: str) -> float:
+            t0 = time.perf_counter()
+            reply = kc.execute_interactive(code, timeout=120, output_hook=lambda msg: None)
+            if reply["content"]["status"] != "ok":
+                raise RuntimeError(f"cell failed: {code!r}: {reply['content']}")
+            return time.perf_counter() - t0
+
+        run("%load_ext labkit")
+        run(f"%lab start {n} --device cpu")
+        run("lab.server.wait_warm()")
+        for _ in range(20):
+            run("pass")
+            run("%%ranks\npass")
+        timed = [(run("pass"), run("%%ranks\npass")) for _ in range(pairs)]
+        own = statistics.median(p[0] for p in timed)
+        ranks = statistics.median(p[1] for p in timed)
+        pid = km.provisioner.process.pid  # type: ignore[union-attr]
+        inside = _inside_cells(run, kc, pairs, later_s)
+        cpu = _cpu_per_cell(run, kc, pid, pairs)
+        rss0 = _rss(pid)
+        for _ in range(cells):
+            run("%%ranks\nx = rank")
+        rss1 = _rss(pid)
+        run("%lab stop")
+        return {"own": own, "ranks": ranks, "rss_growth": rss1 - rss0, **inside, **cpu}
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+
+
+def _ask(kc: Any, **expressions: str) -> dict[str, Any]:
+    """The values of Python `expressions` in the kernel (each a literal)."""
+    reply = kc.execute_interactive(
+        "", timeout=120, output_hook=lambda msg: None, user_expressions=expressions
+    )
+    found = reply["content"]["user_expressions"]
+    return {k: ast.literal_eval(found[k]["data"]["text/plain"]) for k in expressions}
+
+
+def _inside_cells(run: Any, kc: Any, pairs: int, later_s: float) -> dict[str, float]:
+    """Medians of a no-op `lab.run` timed inside a cell: `inside_at_once_s`, and
+    `inside_later_s` (`later_s` into the cell); interleaved, after `pass` cells."""
+    run("import time as _bench_t, statistics as _bench_s; _bench = {'at_once': [], 'later': []}")
+    at_once = INSIDE.format(key="at_once")
+    later = f"_bench_t.sleep({later_s}); " + INSIDE.format(key="later")
+    for _ in range(pairs):
+        run("pass")
+        run(at_once)
+        run("pass")
+        run(later)
+    found = _ask(kc, **{k: f"_bench_s.median(_bench[{k!r}])" for k in ("at_once", "later")})
+    return {f"inside_{k}_s": float(v) for k, v in found.items()}
+
+
+def process_cpu(pid: int) -> float:
+    """CPU seconds of all of a process's threads so far (0.0 where there is no /proc)."""
+    total = 0
+    try:
+        tids = os.listdir(f"/proc/{pid}/task")
+    except OSError:
+        return 0.0
+    for tid in tids:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/schedstat") as f:
+                total += int(f.read().split()[0])  # nanoseconds on a CPU
+        except OSError:  # the thread ended meanwhile
+            pass
+    return total / 1e9
+
+
+def _cpu_per_cell(run: Any, kc: Any, kernel: int, pairs: int) -> dict[str, float]:
+    """Medians over `pairs` interleaved cells of the CPU (all threads) the kernel process spends
+    on its own no-op cell (`cpu_own_s`) and on a `%%ranks` no-op cell (`cpu_cell_s`), and the
+    ranks together on the latter (`cpu_ranks_s`)."""
+    ranks = _ask(kc, pids="sorted(lab.pids.values())")["pids"]
+    own, cell, on_ranks = [], [], []
+    for _ in range(pairs):
+        k0 = process_cpu(kernel)
+        run("pass")
+        own.append(process_cpu(kernel) - k0)
+        k0, r0 = process_cpu(kernel), sum(map(process_cpu, ranks))
+        run("%%ranks\npass")
+        cell.append(process_cpu(kernel) - k0)
+        on_ranks.append(sum(map(process_cpu, ranks)) - r0)
+    return {
+        "cpu_own_s": statistics.median(own),
+        "cpu_cell_s": statistics.median(cell),
+        "cpu_ranks_s": statistics.median(on_ranks),
+    }
+
+
+def _rss(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    return float("nan")
