@@ -28,3 +28,21 @@ def test_kernel_cells_time_a_lab_run_inside_a_cell():
     # and a cell's CPU is at most its wall time on every core
     assert 2 * 20e-6 < out["cpu_ranks_s"] < 2 * out["ranks"] * os.cpu_count(), out
     assert out["cpu_own_s"] < out["own"] * os.cpu_count(), out
+
+
+@pytest.mark.timeout(120)
+def test_the_trace_cost_cell_traces_every_other_op_and_restores_the_switch():
+    import labkit
+    from labkit.tools.bench_labkit import TRACE_COST
+
+    def all_reduces(lab):
+        ops = [r for r in lab.trace() if r.kind == "comm" and r.op == "all_reduce"]
+        return [sum(r.rank == k for r in ops) for k in range(2)]
+
+    with labkit.Lab(2, device="cpu") as lab:
+        for tracing, warm_up in ((False, 0), (True, 20)):  # the 20 warm-up ops follow the switch
+            lab.trace(enabled=tracing)
+            lab.run(TRACE_COST.replace("{reps}", "6"))
+            assert all_reduces(lab) == [warm_up + 6] * 2  # 6 of the 12 timed ops traced
+            lab.run("dist.all_reduce(torch.ones(1))")
+            assert all_reduces(lab) == [int(tracing)] * 2  # the switch as it was before

@@ -23,7 +23,7 @@ The main table (4 ranks by default; targets in the last column):
   beside a copy of the same bytes in this process; target: x2.5. Pull twice: results dropped
   at once (the ranks reuse their segments) and results kept (each pull writes fresh pages);
   push after two pushes of the same size (the kernel reuses the segment the ranks let go of);
-- a 1 MiB all_reduce with tracing on vs off; +5 %;
+- a 1 MiB all_reduce with tracing on vs off, the two alternating op by op; +5 %;
 - the kernel's RSS growth over N `%%ranks` cells; 20 MB.
 
 ipyparallel does the same (start, no-op cell, all_reduce cell, pull) in the same run when it is

@@ -157,34 +157,40 @@ def collective(n: int, blocks: int, reps: int) -> tuple[float, float]:
 
 TRACE_COST = """
 import time, statistics
+from labkit.rank import trace as _trace  # the switch `lab.trace(enabled=...)` sets on each rank
 t = torch.randn(256 * 1024)  # 1 MiB
 for _ in range(20):
     dist.all_reduce(t)
 def timed():
-    out = []
-    for _ in range({reps}):
-        dist.barrier()
-        t0 = time.perf_counter()
-        dist.all_reduce(t)
-        out.append(time.perf_counter() - t0)
-    return statistics.median(out)
+    was, times = _trace.STATE.enabled, {True: [], False: []}
+    for i in range({reps}):  # traced and untraced in turn, each first in every other pair
+        for on in (i % 2 == 0, i % 2 == 1):
+            _trace.set_enabled(on)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dist.all_reduce(t)
+            times[on].append(time.perf_counter() - t0)
+    _trace.set_enabled(was)
+    return statistics.median(times[True]), statistics.median(times[False])
 timed()
 """
 
 
 def trace_overhead(n: int, reps: int) -> tuple[float, float]:
+    """Median seconds of a 1 MiB all_reduce traced and untraced: the two alternate op by op
+    (a drift in load falls on both), in 3 cells of `reps` pairs; the median over ranks and
+    then over cells."""
     import labkit
 
     lab = settled(labkit.Lab(n, device="cpu"))
-    on, off = [], []
-    code = TRACE_COST.replace("{reps}", str(reps))
-    for _ in range(3):
-        lab.trace(enabled=True)
-        on.append(statistics.median(lab.run(code).values_by_rank.values()))
-        lab.trace(enabled=False)
-        off.append(statistics.median(lab.run(code).values_by_rank.values()))
-    lab.stop()
-    return min(on), min(off)
+    try:
+        code = TRACE_COST.replace("{reps}", str(reps))
+        cells = [lab.run(code).values_by_rank.values() for _ in range(3)]
+    finally:
+        lab.stop()
+    on = [statistics.median(v[0] for v in cell) for cell in cells]
+    off = [statistics.median(v[1] for v in cell) for cell in cells]
+    return statistics.median(on), statistics.median(off)
 
 
 STAMPED = {  # a cell that returns when it began and ended on the rank (one clock per machine)
