@@ -5,15 +5,15 @@
 The main table (4 ranks by default; targets in the last column):
 - a no-op `%%ranks` cell through a real kernel, interleaved with the kernel's own no-op cell
   (the floor), median of 50 pairs; target: within 1 ms of the floor;
-- where that time goes (`bench_kernel`): the same `lab.run` timed inside a kernel cell, at
-  once (as `%%ranks` runs it, while the kernel's own start-of-cell messages still travel to the
-  client through threads and processes that share the cores with the ranks) and 3 ms into the
-  cell (once they have gone); the CPU of a no-op `%%ranks` cell, all threads of the kernel
-  process and of the ranks, beside the kernel's for its own no-op cell (the floor: on a
-  machine where this sum over the cores nears the cell's time, the cell is short of cores);
-  a no-op `lab.run` after 20 ms of quiet (as cells in a notebook come,
-  so the ranks have gone idle) beside an empty message to as many idle plain processes and back
-  over the same sockets (`bench_others.raw_roundtrip`), and `lab.run` back to back;
+- where that time goes: the same `lab.run` timed inside a kernel cell (`bench_kernel`), at
+  once, as `%%ranks` runs it, while the kernel's own start-of-cell messages still travel to the
+  client through threads and processes that share the cores with the ranks, beside 3 ms into
+  the cell, once they have gone; the CPU of a no-op `%%ranks` cell (all threads of the kernel
+  process and of the ranks) beside the kernel process's for its own no-op cell: where the CPU
+  a cell adds, over the cores that are left, comes to its gap, it is short of cores, not
+  waiting; a no-op `lab.run` after 20 ms of quiet (as cells in a notebook come, so the ranks
+  have gone idle) beside an empty message to as many idle plain processes and back over the
+  same sockets (`bench_others.raw_roundtrip`), and `lab.run` back to back;
 - start of the ranks, cold (a fresh process; floor: `import torch`) and with the fork server
   warm (after `%load_ext labkit`); `lab.restart()`;
 - a cell with a 1M-float all_reduce, beside the same all_reduce in plain torch.distributed
