@@ -42,7 +42,15 @@ def test_the_trace_cost_cell_traces_every_other_op_and_restores_the_switch():
     with labkit.Lab(2, device="cpu") as lab:
         for tracing, warm_up in ((False, 0), (True, 20)):  # the 20 warm-up ops follow the switch
             lab.trace(enabled=tracing)
-            lab.run(TRACE_COST.replace("{reps}", "6"))
+            lab.run(TRACE_COST.replace("{reps}", "6") + "timed(0)")
             assert all_reduces(lab) == [warm_up + 6] * 2  # 6 of the 12 timed ops traced
             lab.run("dist.all_reduce(torch.ones(1))")
             assert all_reduces(lab) == [int(tracing)] * 2  # the switch as it was before
+
+
+@pytest.mark.timeout(120)
+def test_the_wrapper_cost_script_runs_the_traced_call_in_one_process():
+    from labkit.tools.bench_labkit import WRAPPER_COST, _fresh
+
+    added = _fresh(WRAPPER_COST.replace("{blocks}", "3"))  # raises if the script failed
+    assert math.isfinite(added) and abs(added) < 0.002  # seconds per call: microseconds

@@ -23,7 +23,9 @@ The main table (4 ranks by default; targets in the last column):
   beside a copy of the same bytes in this process; target: x2.5. Pull twice: results dropped
   at once (the ranks reuse their segments) and results kept (each pull writes fresh pages);
   push after two pushes of the same size (the kernel reuses the segment the ranks let go of);
-- a 1 MiB all_reduce with tracing on vs off, the two alternating op by op; +5 %;
+- a 1 MiB all_reduce with tracing on vs off, in an order drawn per pair of ops, beside how far
+  two halves of the untraced ops alone come apart (the comparison's noise), and the time the
+  traced call adds in one process alone (the wrapper's own cost); +5 %;
 - the kernel's RSS growth over N `%%ranks` cells; 20 MB.
 
 ipyparallel does the same (start, no-op cell, all_reduce cell, pull) in the same run when it is
@@ -124,7 +126,8 @@ def main(argv: list[str] | None = None) -> int:
     echo = echoes[n][1]
     where = dispatch(n, reps * 3)
     ipp = None if args.no_ipyparallel else bench_others.ipyparallel_cells(n, reps, 16)
-    on, off = trace_overhead(n, 50 if args.quick else 200)
+    traced = trace_overhead(n, 50 if args.quick else 200)
+    on, off = traced["traced_s"], traced["untraced_s"]
     res.update(kernel=k, cold_start_s=cold, torch_import_s=torch_import, scaling=rows_n)
     res.update(
         allreduce_cell_s=cell,
@@ -136,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         dispatch=where,
         ipyparallel=ipp,
     )
-    res.update(traced_s=on, untraced_s=off)
+    res.update(traced)
     res["load_after"] = os.getloadavg()
 
     def other(key: str) -> str:
@@ -236,10 +239,22 @@ def main(argv: list[str] | None = None) -> int:
             "-",
             "+5 %",
         ),
+        (
+            "tracing's own cost per call",
+            f"{traced['wrapper_s'] * 1e6:.0f} us",
+            f"{_ms(off)} untraced all_reduce",
+            f"{traced['wrapper_s'] / off * 100:+.1f} %",
+            "-",
+            "+5 %",
+        ),
         (f"kernel RSS over {cells} cells", f"{k['rss_growth']:+.1f} MB", "-", "-", "-", "20 MB"),
     ]
     print()
     print(_table(head, rows))
+    print(
+        f"traced against untraced on {n} ranks: half of the untraced ops against the other half "
+        f"differ by {traced['noise'] * 100:+.1f} % in this run (the comparison's noise)"
+    )
     print(
         f"CPU per no-op cell, all threads: the kernel process {_ms(k['cpu_own_s'])} for its own, "
         f"{_ms(k['cpu_cell_s'])} for a %%ranks cell, and the {n} ranks together "

@@ -156,41 +156,72 @@ def collective(n: int, blocks: int, reps: int) -> tuple[float, float]:
 
 
 TRACE_COST = """
-import time, statistics
+import time, statistics, random
 from labkit.rank import trace as _trace  # the switch `lab.trace(enabled=...)` sets on each rank
 t = torch.randn(256 * 1024)  # 1 MiB
 for _ in range(20):
     dist.all_reduce(t)
-def timed():
-    was, times = _trace.STATE.enabled, {True: [], False: []}
-    for i in range({reps}):  # traced and untraced in turn, each first in every other pair
-        for on in (i % 2 == 0, i % 2 == 1):
+def timed(seed):
+    was, times, order = _trace.STATE.enabled, {True: [], False: []}, random.Random(seed)
+    for i in range({reps}):  # traced and untraced in turn, which first drawn by a seed all share
+        first = order.random() < 0.5
+        for on in (first, not first):
             _trace.set_enabled(on)
             dist.barrier()
             t0 = time.perf_counter()
             dist.all_reduce(t)
             times[on].append(time.perf_counter() - t0)
     _trace.set_enabled(was)
-    return statistics.median(times[True]), statistics.median(times[False])
-timed()
+    off = times[False]
+    return (statistics.median(times[True]), statistics.median(off),
+            statistics.median(off[0::2]) / statistics.median(off[1::2]))
+"""
+
+WRAPPER_COST = """
+import statistics, threading, time, torch, torch.distributed as dist
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+from labkit.rank import trace
+from labkit.rank.trace_state import STATE
+trace.install()
+STATE.main, STATE.rank, STATE.cell = threading.get_ident(), 0, 1
+t = torch.randn(256 * 1024)
+def block(on, k=200):
+    trace.set_enabled(on)
+    t0 = time.perf_counter()
+    for _ in range(k):
+        dist.all_reduce(t)
+    took = (time.perf_counter() - t0) / k
+    STATE.records.clear()
+    return took
+block(True), block(False)
+print(statistics.median(block(True) - block(False) for _ in range({blocks})))
+dist.destroy_process_group()
 """
 
 
-def trace_overhead(n: int, reps: int) -> tuple[float, float]:
-    """Median seconds of a 1 MiB all_reduce traced and untraced: the two alternate op by op
-    (a drift in load falls on both), in 3 cells of `reps` pairs; the median over ranks and
-    then over cells."""
+def trace_overhead(n: int, reps: int) -> dict[str, float]:
+    """What tracing costs a 1 MiB all_reduce on `n` ranks: `traced_s` and `untraced_s`, the
+    medians (over ranks, then over 3 cells of `reps` pairs, traced and untraced in an order
+    drawn per pair, so a drift in load falls on both); `noise`, how far apart the medians of
+    two halves of the untraced ops alone came (interleaved: even and odd pairs); and
+    `wrapper_s`, the time the traced call adds, in one process alone (no peers to wait for:
+    the wrapper's own cost, alternating blocks of 200 calls)."""
     import labkit
 
     lab = settled(labkit.Lab(n, device="cpu"))
     try:
-        code = TRACE_COST.replace("{reps}", str(reps))
-        cells = [lab.run(code).values_by_rank.values() for _ in range(3)]
+        lab.run(TRACE_COST.replace("{reps}", str(reps)))
+        cells = [lab.run(f"timed({seed})").values_by_rank.values() for seed in range(3)]
     finally:
         lab.stop()
-    on = [statistics.median(v[0] for v in cell) for cell in cells]
-    off = [statistics.median(v[1] for v in cell) for cell in cells]
-    return statistics.median(on), statistics.median(off)
+    per_cell = [[statistics.median(v[i] for v in cell) for cell in cells] for i in range(3)]
+    wrapper = _fresh(WRAPPER_COST.replace("{blocks}", str(max(5, reps // 10))))
+    return {
+        "traced_s": statistics.median(per_cell[0]),
+        "untraced_s": statistics.median(per_cell[1]),
+        "noise": statistics.median(per_cell[2]) - 1,
+        "wrapper_s": wrapper,
+    }
 
 
 STAMPED = {  # a cell that returns when it began and ended on the rank (one clock per machine)
