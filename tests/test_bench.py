@@ -15,9 +15,10 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_kernel_cells_time_a_lab_run_inside_a_cell():
     out = kernel_cells(2, cells=5, pairs=3, later_s=0.1)
-    times = ("own", "ranks", "inside_at_once_s", "inside_later_s")
+    times = ("own", "ranks", "echo", "inside_at_once_s", "inside_later_s")
     cpu = ("cpu_own_s", "cpu_cell_s", "cpu_ranks_s")
-    assert set(out) == {*times, *cpu, "rss_growth"}
+    assert set(out) == {*times, *cpu, "rss_growth", "echo_trips"}
+    assert out["echo_trips"] == 20 + 3  # every echo cell, warm-up and timed, made its round trip
     for key in times + cpu:
         assert math.isfinite(out[key]) and out[key] > 0, out
     # a lab.run on 2 ranks is a round trip to two processes: far more than 50 us on any machine
@@ -54,3 +55,20 @@ def test_the_wrapper_cost_script_runs_the_traced_call_in_one_process():
 
     added = _fresh(WRAPPER_COST.replace("{blocks}", "3"))  # raises if the script failed
     assert math.isfinite(added) and abs(added) < 0.002  # seconds per call: microseconds
+
+
+@pytest.mark.timeout(120)
+def test_an_echo_group_round_trips_to_every_process_and_ends_them():
+    from labkit.tools.bench_others import EchoGroup
+
+    with EchoGroup(3) as group:
+        tmp = group.tmp
+        for _ in range(5):
+            group.roundtrip()
+        assert group.trips == 5
+        # an echo comes back from each process: a fourth reply would wait forever, so none is
+        # left queued once a round trip returns
+        assert not group.router.poll(50)
+    # each left when told (not killed), and was waited for
+    assert [p.returncode for p in group.procs] == [0, 0, 0]
+    assert not os.path.exists(tmp)

@@ -4,7 +4,10 @@
 
 The main table (4 ranks by default; targets in the last column):
 - a no-op `%%ranks` cell through a real kernel, interleaved with the kernel's own no-op cell
-  (the floor), median of 50 pairs; target: within 1 ms of the floor;
+  (the floor), median of 50 pairs; target: within 1 ms of the floor; beside them, interleaved,
+  a cell magic whose only work is an empty message to as many plain processes and back over
+  the same sockets (`bench_kernel`): the part of the gap that reaching the ranks costs on this
+  machine, before any of labkit's work;
 - where that time goes: the same `lab.run` timed inside a kernel cell (`bench_kernel`), at
   once, as `%%ranks` runs it, while the kernel's own start-of-cell messages still travel to the
   client through threads and processes that share the cores with the ranks, beside 3 ms into
@@ -158,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             "+1 ms",
         ),
         (
+            f"no-op cell on {n} echo procs (kernel)",
+            _ms(k["echo"]),
+            f"{_ms(k['own'])} kernel no-op",
+            f"{(k['echo'] - k['own']) * 1e3:+.2f} ms",
+            "-",
+            "-",
+        ),
+        (
             "no-op lab.run after 20 ms idle",
             _ms(main_n["noop_idle_s"]),
             f"{_ms(echo)} echo, {n} idle procs",
@@ -254,6 +265,11 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"traced against untraced on {n} ranks: half of the untraced ops against the other half "
         f"differ by {traced['noise'] * 100:+.1f} % in this run (the comparison's noise)"
+    )
+    print(
+        f"the no-op %%ranks cell against a cell magic that only echoes on {n} plain processes: "
+        f"{(k['ranks'] - k['echo']) * 1e3:+.2f} ms (labkit's own work); the echo cell against the "
+        f"kernel's no-op: {(k['echo'] - k['own']) * 1e3:+.2f} ms (reaching {n} processes and back)"
     )
     print(
         f"CPU per no-op cell, all threads: the kernel process {_ms(k['cpu_own_s'])} for its own, "

@@ -3,6 +3,10 @@
 goes, and the kernel's memory over many cells.
 
 Where the time goes, inside the kernel:
+- a cell magic that does nothing but send an empty message to as many plain processes and wait
+  for their echoes, over the same sockets (`bench_others.EchoGroup`): what reaching the ranks
+  and back from a cell costs on this machine before any of labkit's work, interleaved with the
+  other two;
 - `lab.run` timed inside a cell, at once (as `%%ranks` runs it, while the kernel's own
   start-of-cell messages, `status: busy` and `execute_input`, are still on their way to the
   client through threads and processes that share the cores with the ranks) and `later_s` into
@@ -25,14 +29,24 @@ INSIDE = (
     "_bench['{key}'].append(_bench_t.perf_counter() - _t0)"
 )
 INSIDE_LATER_S = 0.003
+# the floor of a no-op cell on n processes from this kernel: a cell magic whose only work is a
+# round trip to n idle echo processes over the ctrl links' sockets
+ECHO_SETUP = (
+    "from labkit.tools.bench_others import EchoGroup as _EchoGroup\n"
+    "_bench_echo = _EchoGroup({n})\n"
+    "get_ipython().register_magic_function("
+    "lambda line, cell: _bench_echo.roundtrip(), 'cell', 'bench_echo')"
+)
 
 
 def kernel_cells(
     n: int, cells: int, pairs: int, later_s: float = INSIDE_LATER_S
 ) -> dict[str, float]:
-    """Medians of `pairs` interleaved no-op cells, the kernel's own (`own`) and `%%ranks`
-    (`ranks`); `lab.run` inside a cell (`_inside_cells`); CPU per cell (`_cpu_per_cell`); the
-    kernel's RSS growth over `cells` `%%ranks` cells, in MB."""
+    """Medians of `pairs` interleaved no-op cells: the kernel's own (`own`), `%%ranks`
+    (`ranks`) and `%%bench_echo` (`echo`: a cell magic that does nothing but a round trip to
+    `n` plain echo processes, `bench_others.EchoGroup`; `echo_trips` counts them); `lab.run`
+    inside a cell (`_inside_cells`); CPU per cell (`_cpu_per_cell`); the kernel's RSS growth
+    over `cells` `%%ranks` cells, in MB."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
@@ -48,12 +62,20 @@ def kernel_cells(
         run("%load_ext labkit")
         run(f"%lab start {n} --device cpu")
         run("lab.server.wait_warm()")
+        run(ECHO_SETUP.format(n=n))
         for _ in range(20):
             run("pass")
             run("%%ranks\npass")
-        timed = [(run("pass"), run("%%ranks\npass")) for _ in range(pairs)]
-        own = statistics.median(p[0] for p in timed)
+            run("%%bench_echo\npass")
+        timed = [
+            (run("pass"), run("%%ranks\npass"), run("pass"), run("%%bench_echo\npass"))
+            for _ in range(pairs)
+        ]
+        own = statistics.median(t for p in timed for t in (p[0], p[2]))
         ranks = statistics.median(p[1] for p in timed)
+        echo = statistics.median(p[3] for p in timed)
+        trips = _ask(kc, trips="_bench_echo.trips")["trips"]
+        run("_bench_echo.close()")
         pid = km.provisioner.process.pid  # type: ignore[union-attr]
         inside = _inside_cells(run, kc, pairs, later_s)
         cpu = _cpu_per_cell(run, kc, pid, pairs)
@@ -62,7 +84,15 @@ def kernel_cells(
             run("%%ranks\nx = rank")
         rss1 = _rss(pid)
         run("%lab stop")
-        return {"own": own, "ranks": ranks, "rss_growth": rss1 - rss0, **inside, **cpu}
+        return {
+            "own": own,
+            "ranks": ranks,
+            "echo": echo,
+            "echo_trips": trips,
+            "rss_growth": rss1 - rss0,
+            **inside,
+            **cpu,
+        }
     finally:
         kc.stop_channels()
         km.shutdown_kernel(now=True)

@@ -3,10 +3,10 @@
 - `RawAllreduce`: the same all_reduce in plain torch.distributed processes
   (gloo, the thread budget labkit gives its ranks), timed inside the processes: the floor of a
   collective cell, measured in blocks interleaved with labkit's (`bench_labkit.collective`);
-- `raw_roundtrip`: an empty message to `n` idle plain Python processes and back, over the same
-  sockets as a forked lab's ctrl links (labkit.kernel.direct and labkit.rank.link, with no
-  signing, no pickling and no torch): the floor of a no-op cell once the processes have gone
-  idle;
+- `EchoGroup`, `raw_roundtrip`: an empty message to `n` idle plain Python processes and back,
+  over the same sockets as a forked lab's ctrl links (labkit.kernel.direct and
+  labkit.rank.link, with no signing, no pickling and no torch): the floor of a no-op cell once
+  the processes have gone idle (`bench_kernel` also times it from a kernel cell);
 - `ipyparallel_cells`: ipyparallel's engines doing the same work from the same process
   (start, a no-op cell, the collective cell, a pull), when ipyparallel is installed
   (`pip install labkit[bench]`); None when it is not.
@@ -16,10 +16,12 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from typing import Any
@@ -120,42 +122,71 @@ ECHO = textwrap.dedent("""
 """)
 
 
-def raw_roundtrip(n: int, reps: int, idle: float) -> float:
-    """Median seconds to send an empty message to `n` plain processes and get every echo back,
-    each time after `idle` seconds of quiet (no torch, no signing, no Python work per message
-    beyond the framing's)."""
-    import tempfile
+class EchoGroup:
+    """`n` idle plain Python processes that echo each message over the same sockets as a
+    forked lab's ctrl links (labkit.kernel.direct and labkit.rank.link): no torch, no signing,
+    no pickling, no Python work per message beyond the framing's. `roundtrip()` sends an empty
+    message to each and waits for every echo: the floor of a no-op cell on `n` processes.
+    `close()` (or `with`) ends them and waits for them; a process whose link closes (the
+    process that holds the group died) leaves by itself."""
 
-    from labkit.kernel.direct import DirectRouter
+    def __init__(self, n: int):
+        from labkit.kernel.direct import DirectRouter
 
-    with tempfile.TemporaryDirectory(prefix="labkit-bench-") as tmp:
-        router = DirectRouter(os.path.join(tmp, "echo"))
-        procs = [subprocess.Popen([sys.executable, "-c", ECHO, router.endpoint]) for _ in range(n)]
+        self.tmp = tempfile.mkdtemp(prefix="labkit-bench-")
+        self.router = DirectRouter(os.path.join(self.tmp, "echo"))
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self.ids: list[bytes] = []
+        self.trips = 0
         try:
-            ids = []
             for _ in range(n):
-                if not router.poll(120_000):
+                self.procs.append(
+                    subprocess.Popen([sys.executable, "-c", ECHO, self.router.endpoint])
+                )
+            for _ in range(n):
+                if not self.router.poll(120_000):
                     raise RuntimeError("the echo processes did not start in 120 s")
-                ids.append(router.recv_multipart()[0])
-            times = []
-            for _ in range(reps):
-                time.sleep(idle)
-                t0 = time.perf_counter()
-                for ident in ids:
-                    router.send_multipart([ident, b""])
-                for _ in ids:
-                    router.recv_multipart()
-                times.append(time.perf_counter() - t0)
-            for ident in ids:
-                router.send_multipart([ident, b"exit"])
-        finally:
-            for p in procs:
-                try:
-                    p.wait(timeout=10)
-                except subprocess.TimeoutExpired:
-                    p.kill()  # our own child, by its Popen handle
-                    p.wait()
-            router.close()
+                self.ids.append(self.router.recv_multipart()[0])
+        except BaseException:
+            self.close()
+            raise
+
+    def roundtrip(self) -> None:
+        for ident in self.ids:
+            self.router.send_multipart([ident, b""])
+        for _ in self.ids:
+            self.router.recv_multipart()
+        self.trips += 1
+
+    def close(self) -> None:
+        for ident in self.ids:
+            self.router.send_multipart([ident, b"exit"])
+        for p in self.procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()  # our own child, by its Popen handle
+                p.wait()
+        self.router.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
+
+    def __enter__(self) -> EchoGroup:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def raw_roundtrip(n: int, reps: int, idle: float) -> float:
+    """Median seconds of an `EchoGroup` round trip to `n` processes, each time after `idle`
+    seconds of quiet."""
+    with EchoGroup(n) as group:
+        times = []
+        for _ in range(reps):
+            time.sleep(idle)
+            t0 = time.perf_counter()
+            group.roundtrip()
+            times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
 
