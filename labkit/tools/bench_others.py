@@ -64,6 +64,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reap(procs: list[subprocess.Popen[Any]], timeout: float) -> None:
+    """Wait for our own children, each for up to `timeout` s, then kill it by its handle."""
+    for p in procs:
+        try:
+            p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+
+
 class RawAllreduce:
     """`n` plain torch.distributed processes (gloo, the thread budget labkit gives its ranks)
     that time the same 1M-float all_reduce when asked, so its floor can be measured in blocks
@@ -103,12 +113,8 @@ class RawAllreduce:
                 p.stdin.close()  # type: ignore[union-attr]
             except OSError:
                 pass
+        reap(self.procs, 30)
         for p in self.procs:
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()  # our own child, by its Popen handle
-                p.wait()
             p.stdout.close()  # type: ignore[union-attr]
 
 
@@ -161,12 +167,7 @@ class EchoGroup:
     def close(self) -> None:
         for ident in self.ids:
             self.router.send_multipart([ident, b"exit"])
-        for p in self.procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()  # our own child, by its Popen handle
-                p.wait()
+        reap(self.procs, 10)
         self.router.close()
         shutil.rmtree(self.tmp, ignore_errors=True)
 
