@@ -2,9 +2,11 @@
 
     python scripts/cell_timers.py [--ranks 4] [--cells 300]
 
-Starts a lab, wraps timers around the functions a no-op `lab.run` goes through (in the kernel
-and, with a first cell, in each rank's serving loop), runs `--cells` no-op cells after 20 ms of
-quiet and as many back to back, and prints medians in microseconds:
+Starts a lab, times four pieces of a rank's work alone on rank 0, warm (`timeit`: decoding a
+signed `exec` request, encoding a `done` reply, the Stop check and the output check), then wraps
+timers around the functions a no-op `lab.run` goes through (in the kernel and, with a first
+cell, in each rank's serving loop), runs `--cells` no-op cells after 20 ms of quiet and as many
+back to back, and prints medians in microseconds:
 
 - kernel: when its first and last request left and its first and last reply came, counted from
   the moment `lab.run` began, and the whole call;
@@ -66,6 +68,31 @@ _R.ctrl.send_multipart = _timed("send", _R.ctrl.send_multipart)
 _H["exec"] = _whole(_H["exec"])
 """
 
+WARM = """
+import sys as _s, timeit as _ti
+from labkit.wire.codec import Codec as _Codec
+from labkit.wire.messages import Done as _Done
+_f = _s._getframe()
+while _f.f_code.co_name != "serve":
+    _f = _f.f_back
+_R = _f.f_locals["self"]
+_sender = _Codec(_R.cfg.key)  # signs as the kernel does (a sender of its own)
+_it = iter([_sender.encode({"type": "exec", "id": 10**9, "display": True, "code": "pass"})
+            for _ in range({calls})])
+_done = dict(type="done", id=5, duration=0.1, error=None, t_end=1.0, stream_seq=3,
+             progress=None, rank=0, gen=1)
+def _stop():
+    with _R.side_lock:
+        _R._take_side()
+_pieces = dict(
+    decode=lambda: _R.codec.decode(next(_it)),
+    encode=lambda: _R.codec.encode(_Done(**_done)),
+    stop=_stop,
+    output=_R.capture.flush,
+)
+{k: _ti.timeit(fn, number={calls}) / {calls} for k, fn in _pieces.items()}
+"""
+
 RANK_PIECES = (  # in the order a rank goes through them
     "decode",
     "Stop check",
@@ -107,6 +134,12 @@ def main() -> None:
     lab = labkit.Lab(args.ranks, device="cpu")
     try:
         lab.server.wait_warm()
+        calls = 2000
+        warm = lab.run(WARM.replace("{calls}", str(calls)), ranks=0, display=False)[0]
+        if warm.error:
+            raise RuntimeError(f"the warm timers failed on rank 0: {warm.error['message']}")
+        print(f"rank 0, warm (each piece alone, timeit, {calls} calls; us)")
+        print("warm:   " + ", ".join(f"{k} {v * 1e6:.1f}" for k, v in warm.value.items()))
         lab.run(RANK_TIMERS)
         marks, began = kernel_timers(lab)
         for _ in range(50):

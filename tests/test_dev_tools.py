@@ -22,6 +22,12 @@ def test_cell_timers_time_every_piece_of_a_cell():
         timeout=170,
     )
     assert out.returncode == 0, out.stderr[-2000:]
+    (warm,) = re.findall(r"^warm: +(.*)$", out.stdout, re.M)
+    pieces = {name: float(us) for name, us in re.findall(r"(\w+) ([\d.]+)(?:, |$)", warm)}
+    assert list(pieces) == ["decode", "encode", "stop", "output"], warm
+    # each timed alone, warm: a syscall or a keyed hash at least (an empty call takes well under
+    # 0.3 us), and far under a millisecond (a timer around the whole loop would show here)
+    assert all(0.3 < us < 1000 for us in pieces.values()), warm
     kernel = re.findall(r"^kernel: (.*)$", out.stdout, re.M)
     rank = re.findall(r"^rank: +(.*)$", out.stdout, re.M)
     assert len(kernel) == len(rank) == 2  # after quiet, back to back
