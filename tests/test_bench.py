@@ -66,8 +66,7 @@ def test_an_echo_group_round_trips_to_every_process_and_ends_them():
         for _ in range(5):
             group.roundtrip()
         assert group.trips == 5
-        # an echo comes back from each process: a fourth reply would wait forever, so none is
-        # left queued once a round trip returns
+        # each process echoed each message once: nothing more waits once a round trip returns
         assert not group.router.poll(50)
     # each left when told (not killed), and was waited for
     assert [p.returncode for p in group.procs] == [0, 0, 0]
