@@ -6,8 +6,10 @@ The main table (4 ranks by default; targets in the last column):
 - a no-op `%%ranks` cell through a real kernel, interleaved with the kernel's own no-op cell
   (the floor), median of 50 pairs; target: within 1 ms of the floor; beside them, interleaved,
   a cell magic whose only work is an empty message to as many plain processes and back over
-  the same sockets (`bench_kernel`): the part of the gap that reaching the ranks costs on this
-  machine, before any of labkit's work;
+  the same sockets (the part of the gap that reaching the ranks costs on this machine, before
+  any of labkit's work), and one that sends the same request to the ranks and reads their
+  replies with none of the kernel's machinery (the part that is the ranks' work and the
+  signing; `bench_kernel`): the rest is the kernel's machinery;
 - where that time goes: the same `lab.run` timed inside a kernel cell (`bench_kernel`), at
   once, as `%%ranks` runs it, while the kernel's own start-of-cell messages still travel to the
   client through threads and processes that share the cores with the ranks, beside 3 ms into
@@ -161,6 +163,14 @@ def main(argv: list[str] | None = None) -> int:
             "+1 ms",
         ),
         (
+            "no-op cell, bare kernel loop (kernel)",
+            _ms(k["bare"]),
+            f"{_ms(k['own'])} kernel no-op",
+            f"{(k['bare'] - k['own']) * 1e3:+.2f} ms",
+            "-",
+            "-",
+        ),
+        (
             f"no-op cell on {n} echo procs (kernel)",
             _ms(k["echo"]),
             f"{_ms(k['own'])} kernel no-op",
@@ -267,9 +277,10 @@ def main(argv: list[str] | None = None) -> int:
         f"differ by {traced['noise'] * 100:+.1f} % in this run (the comparison's noise)"
     )
     print(
-        f"the no-op %%ranks cell against a cell magic that only echoes on {n} plain processes: "
-        f"{(k['ranks'] - k['echo']) * 1e3:+.2f} ms (labkit's own work); the echo cell against the "
-        f"kernel's no-op: {(k['echo'] - k['own']) * 1e3:+.2f} ms (reaching {n} processes and back)"
+        f"the no-op %%ranks cell's gap, {extra:+.2f} ms: reaching {n} processes and back "
+        f"{(k['echo'] - k['own']) * 1e3:+.2f} ms (the echo cell), the ranks' work and the signing "
+        f"{(k['bare'] - k['echo']) * 1e3:+.2f} ms (the bare cell over the echo), the kernel's "
+        f"machinery {(k['ranks'] - k['bare']) * 1e3:+.2f} ms (%%ranks over the bare cell)"
     )
     print(
         f"CPU per no-op cell, all threads: the kernel process {_ms(k['cpu_own_s'])} for its own, "

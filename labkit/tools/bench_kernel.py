@@ -6,7 +6,9 @@ Where the time goes, inside the kernel:
 - a cell magic that does nothing but send an empty message to as many plain processes and wait
   for their echoes, over the same sockets (`bench_others.EchoGroup`): what reaching the ranks
   and back from a cell costs on this machine before any of labkit's work, interleaved with the
-  other two;
+  others; and one that sends the `%%ranks` cell's request to the ranks and reads their
+  replies with none of the kernel's machinery around it (`BARE_SETUP`): between the three, the
+  gap splits into the transport, the ranks' work with the signing, and the kernel's machinery;
 - `lab.run` timed inside a cell, at once (as `%%ranks` runs it, while the kernel's own
   start-of-cell messages, `status: busy` and `execute_input`, are still on their way to the
   client through threads and processes that share the cores with the ranks) and `later_s` into
@@ -37,16 +39,42 @@ ECHO_SETUP = (
     "get_ipython().register_magic_function("
     "lambda line, cell: _bench_echo.roundtrip(), 'cell', 'bench_echo')"
 )
+# the same cell on labkit's ranks, signed both ways, with none of the kernel's machinery (no
+# magic's parsing, Lab.run, CellRun, waiting loop or results): the request encoded once and
+# written to each rank's direct link, then replies read until every rank's `done` came
+BARE_SETUP = """
+import time as _bench_bt
+_bench_bare_trips = [0]
+def _bench_bare(line, cell, lab=lab):
+    channel, router = lab.channel, lab.channel.ctrl
+    lab._cell += 1
+    cell_id = lab._cell
+    frames = channel.codec.encode({"type": "exec", "id": cell_id, "display": True, "code": cell})
+    for r in range(lab.world_size):
+        router.send_multipart([channel.routes[r], *frames])
+    left, deadline = lab.world_size, _bench_bt.monotonic() + 60
+    while left:
+        if not router.poll(1000):
+            if _bench_bt.monotonic() > deadline:
+                raise RuntimeError("the ranks did not all answer a bare cell in 60 s")
+            continue
+        msg = channel.codec.decode(router.recv_multipart()[1:])
+        if msg.get("type") == "done" and msg.get("id") == cell_id:
+            left -= 1
+    _bench_bare_trips[0] += 1
+get_ipython().register_magic_function(_bench_bare, "cell", "bench_bare")
+"""
 
 
 def kernel_cells(
     n: int, cells: int, pairs: int, later_s: float = INSIDE_LATER_S
 ) -> dict[str, float]:
-    """Medians of `pairs` interleaved no-op cells: the kernel's own (`own`), `%%ranks`
-    (`ranks`) and `%%bench_echo` (`echo`: a cell magic that does nothing but a round trip to
-    `n` plain echo processes, `bench_others.EchoGroup`; `echo_trips` counts them); `lab.run`
-    inside a cell (`_inside_cells`); CPU per cell (`_cpu_per_cell`); the kernel's RSS growth
-    over `cells` `%%ranks` cells, in MB."""
+    """Medians of `pairs` interleaved no-op cells, each after the kernel's own (`own`): `%%ranks`
+    (`ranks`), `%%bench_bare` (`bare`: the same request to the same ranks with none of the
+    kernel's machinery, `BARE_SETUP`) and `%%bench_echo` (`echo`: a round trip to `n` plain
+    echo processes, `bench_others.EchoGroup`); `bare_trips` and `echo_trips` count the round
+    trips their magics made; `lab.run` inside a cell (`_inside_cells`); CPU per cell
+    (`_cpu_per_cell`); the kernel's RSS growth over `cells` `%%ranks` cells, in MB."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
@@ -63,18 +91,16 @@ def kernel_cells(
         run(f"%lab start {n} --device cpu")
         run("lab.server.wait_warm()")
         run(ECHO_SETUP.format(n=n))
+        run(BARE_SETUP)
+        cells3 = ("%%ranks\npass", "%%bench_bare\npass", "%%bench_echo\npass")
         for _ in range(20):
-            run("pass")
-            run("%%ranks\npass")
-            run("%%bench_echo\npass")
-        timed = [
-            (run("pass"), run("%%ranks\npass"), run("pass"), run("%%bench_echo\npass"))
-            for _ in range(pairs)
-        ]
-        own = statistics.median(t for p in timed for t in (p[0], p[2]))
-        ranks = statistics.median(p[1] for p in timed)
-        echo = statistics.median(p[3] for p in timed)
-        trips = _ask(kc, trips="_bench_echo.trips")["trips"]
+            for code in cells3:
+                run("pass")
+                run(code)
+        timed = [[(run("pass"), run(code)) for code in cells3] for _ in range(pairs)]
+        own = statistics.median(p[0] for group in timed for p in group)
+        ranks, bare, echo = (statistics.median(g[i][1] for g in timed) for i in range(3))
+        trips = _ask(kc, echo="_bench_echo.trips", bare="_bench_bare_trips[0]")
         run("_bench_echo.close()")
         pid = km.provisioner.process.pid  # type: ignore[union-attr]
         inside = _inside_cells(run, kc, pairs, later_s)
@@ -88,7 +114,9 @@ def kernel_cells(
             "own": own,
             "ranks": ranks,
             "echo": echo,
-            "echo_trips": trips,
+            "bare": bare,
+            "echo_trips": trips["echo"],
+            "bare_trips": trips["bare"],
             "rss_growth": rss1 - rss0,
             **inside,
             **cpu,
