@@ -50,6 +50,19 @@ def test_a_stop_sent_before_the_cell_arrives_stops_it_unstarted(lab):
     assert lab.pull("kept") == {0: 1, 1: 2}  # no restart: variables kept
 
 
+def test_the_stop_board_alone_stops_a_cell_not_yet_started(lab):
+    """A forked rank sees a Stop at a cell's start on the lab's Stop board, before (here:
+    without) the `interrupt` message on its side socket; a later cell runs as usual."""
+    lab.run("kept = rank + 1")
+    cell = lab.last_cell + 1
+    lab.channel.stop_board.press(cell)  # the board only: no message is sent
+    res = lab.run("ran = True")
+    assert {r.error["type"] for r in res.values()} == {"KeyboardInterrupt"}
+    assert "before this rank started the cell" in res[0].error["message"]
+    assert lab.run("'ran' in globals()").values_by_rank == {0: False, 1: False}
+    assert lab.pull("kept") == {0: 1, 1: 2}  # no restart
+
+
 def test_a_stop_for_a_finished_cell_does_not_touch_the_next_one(lab):
     lab.run("x = 1")
     lab.channel.send_interrupt([0, 1], lab.last_cell)  # too late for that cell

@@ -56,6 +56,7 @@ def config(**changes):
         config(),
         config(log_dir=None),
         config(capture_fds=(7, 9)),
+        config(stop_board="/tmp/labkit-x/stop"),
         config(
             attached=True,
             master_port=29500,
@@ -98,6 +99,7 @@ def test_rank_config_round_trips_through_the_wire_and_json(cfg):
         ({"master_port": 70000}, r"master_port must be in \[1, 65536\), got 70000"),
         ({"attached": "yes"}, r"attached must be True or False, got 'yes'"),
         ({"capture_fds": (3,)}, r"capture_fds must be None or two file descriptors"),
+        ({"stop_board": "stop"}, r"stop_board must be None or an absolute file path, got 'stop'"),
     ],
 )
 def test_rank_config_rejects_bad_values_saying_what_is_allowed(changes, message):
@@ -258,3 +260,28 @@ def test_messages_are_built_through_their_definitions():
 )
 def test_the_scan_tells_messages_from_other_dicts(source, flagged):
     assert bool(message_literals(source, "example.py")) is flagged
+
+
+# -- the Stop board ---------------------------------------------------------------------------
+
+
+def test_the_stop_board_is_private_never_goes_back_and_is_read_only_on_a_rank(tmp_path):
+    from labkit.wire.stop_board import StopBoard
+
+    path = str(tmp_path / "stop")
+    kernel = StopBoard(path, create=True)
+    rank = StopBoard(path)  # a rank maps the same file
+    try:
+        assert os.stat(path).st_mode & 0o777 == 0o600
+        assert rank.latest() == 0
+        kernel.press(7)
+        assert rank.latest() == 7 and rank.cells[0] == 7  # seen through the rank's own map
+        kernel.press(5)  # a late Stop for an older cell: the board never goes back
+        assert rank.latest() == 7
+        with pytest.raises(TypeError):  # the rank's map is read-only
+            rank.cells[0] = 99
+        with pytest.raises(FileExistsError):  # a board is made once, never taken over
+            StopBoard(path, create=True)
+    finally:
+        rank.close()
+        kernel.close()

@@ -52,6 +52,7 @@ from labkit.kernel.sigint import uninterrupted
 from labkit.wire import framed, shm
 from labkit.wire.codec import AuthenticationError, Codec
 from labkit.wire.messages import Done, KernelToRank
+from labkit.wire.stop_board import StopBoard
 
 CATCH_UP_S = 10.0  # the longest wait for output lines a `done` says were sent before it
 
@@ -76,6 +77,8 @@ class Channel(Admission, SideIO):
         self.shm_dir = shm.new_dir() if listen is None else None  # large tensors, same machine
         codec.shm_dir = self.shm_dir
         codec.shared = shm.Shared() if self.shm_dir else None  # pushed segments, reused
+        # forked ranks see a Stop at a cell's start here, without reading their side socket
+        self.stop_board = StopBoard(self._path("stop"), create=True) if listen is None else None
         self.gen = 0
         self.status: dict[int, dict[str, Any]] = {}  # rank -> its last heartbeat
         self.stacks: dict[int, dict[int, dict[str, Any]]] = {}  # ask id -> rank -> `stacks`
@@ -147,6 +150,8 @@ class Channel(Admission, SideIO):
         self._io.join(timeout=2)
         if isinstance(self.ctrl, DirectRouter):
             self.ctrl.close()
+        if self.stop_board is not None:
+            self.stop_board.close()
         self.ctx.destroy(linger=0)
         os.close(self.wake_r)
         os.close(self.wake_w)

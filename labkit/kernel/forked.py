@@ -87,6 +87,7 @@ class ForkedRanks(RankLauncher):
                         pg_timeout=self.pg_timeout,
                         threads=threads,
                         shm_dir=channel.shm_dir,
+                        stop_board=channel.stop_board.path if channel.stop_board else None,
                     )
                 )
             # the start's own deadline: forking 16 ranks on a busy 2-core machine can take >10 s

@@ -21,6 +21,7 @@ import zmq
 from labkit.wire.codec import AuthenticationError
 from labkit.wire.logfile import log_path
 from labkit.wire.messages import AskStacks, Interrupt, KernelToRank, Leave
+from labkit.wire.stop_board import StopBoard
 
 
 class SideIO:
@@ -42,6 +43,7 @@ class SideIO:
     _side_out: deque[tuple[int, int, KernelToRank]]
     _side_routes: dict[int, bytes]
     _allowed: Callable[[Any, bool], bool]  # Admission's
+    stop_board: StopBoard | None
 
     def _post(self, *event: Any) -> None:
         self.events.append(event)
@@ -132,5 +134,8 @@ class SideIO:
         return ask
 
     def send_interrupt(self, ranks: Iterable[int], cell: int) -> None:
-        """Stop for `cell`: the rank latches it (see labkit.rank.side)."""
+        """Stop for `cell`: the rank latches it (see labkit.rank.side). The Stop board, where
+        there is one, says so first: a rank that has not started the cell sees it there."""
+        if self.stop_board is not None:
+            self.stop_board.press(cell)
         self.send_side(ranks, Interrupt(type="interrupt", cell=cell))

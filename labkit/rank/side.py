@@ -10,9 +10,11 @@
 - Stop is latched, never lost: the kernel sends `interrupt` for a cell and re-sends it while it
   waits; the heartbeat thread reads it within `SIDE_POLL_S` while a cell runs (within
   `SIDE_POLL_IDLE_S` of the start of a cell that came after `DROWSY_AFTER_S` of quiet: an idle
-  rank's thread wakes less often). The rank
-  remembers the cell; if its user code runs, it raises KeyboardInterrupt there (again every
-  `RESTOP_S` while it keeps running); if the cell has not started yet, it is not run at all.
+  rank's thread wakes less often). The rank remembers the cell; if its user code runs, it
+  raises KeyboardInterrupt there (again every `RESTOP_S` while it keeps running); if the cell
+  has not started yet, it is not run at all. At a cell's start a forked rank looks for it on
+  the lab's Stop board, which costs no socket read (labkit.wire.stop_board); an attached rank
+  reads its side socket there.
 - A rank attached over TCP leaves when the kernel's link drops; a forked one when its parent
   dies.
 
@@ -32,6 +34,7 @@ import zmq
 
 from labkit.rank import stacks, trace
 from labkit.wire.messages import RankToKernel, Stacks, Status
+from labkit.wire.stop_board import StopBoard
 
 HEARTBEAT_IDLE = 1.0
 HEARTBEAT_BUSY = 0.25
@@ -60,6 +63,7 @@ class SideChannel:
     stop_cell: int | None
     stopped_at: float
     stacks_out: list[Stacks]
+    board: StopBoard | None  # the lab's Stop board (forked ranks)
     capture: Any
     debugging = False  # in a pdb session, waiting for the user (labkit.rank.debugger)
 
@@ -76,6 +80,20 @@ class SideChannel:
             os._exit(1)
 
         threading.Thread(target=watch, name="labkit-kernel-link", daemon=True).start()
+
+    def _take_stop(self, cell: int) -> None:
+        """At the start of `cell` (main thread): latch a Stop pressed for it before this rank
+        took it. A forked rank looks at the lab's Stop board first, and reads the side socket
+        only when the board has reached this cell (labkit.wire.stop_board); an attached rank,
+        with no board, reads the side socket at every cell's start."""
+        board = self.board
+        if board is not None:
+            pressed = board.cells[0]
+            if pressed < cell:  # the common cell: one load, no socket
+                return
+            self.stop_cell = max(pressed, self.stop_cell or 0)  # its message may still travel
+        with self.side_lock:
+            self._take_side()
 
     def _take_side(self) -> None:
         """Read what the kernel sent on `side` (call with `side_lock` held): Stop, leave, and

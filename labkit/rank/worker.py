@@ -71,6 +71,7 @@ from labkit.wire.messages import (
     Stream,
     Trace,
 )
+from labkit.wire.stop_board import StopBoard
 
 REQUESTS = ("exec", "pull", "push", "trace", "debug")  # requests with a cell id, taken at most once
 MAX_VALUE_BYTES = 1 << 30  # what a value may add to its reply (tensors in /dev/shm do not count)
@@ -94,6 +95,7 @@ class Rank(SideChannel):
         self.stop_cell: int | None = None  # Stop latched for this cell
         self.stopped_at = 0.0  # when KeyboardInterrupt was last raised for it
         self.stacks_out: list[Stacks] = []  # answers to `ask_stacks`, sent after `side_lock`
+        self.board = StopBoard(cfg.stop_board) if cfg.stop_board else None
         self.store: Any = None
         self.ns: dict[str, Any] = {}
 
@@ -233,8 +235,7 @@ class Rank(SideChannel):
         self.busy_cell = cell
         value = error = None
         t0 = time.perf_counter()
-        with self.side_lock:
-            self._take_side()  # a Stop sent before this cell arrived
+        self._take_stop(cell)  # a Stop pressed before this rank took the cell
         try:
             self.in_user_code = True
             if self.stop_cell == cell:

@@ -9,6 +9,7 @@ Imports only the standard library.
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
@@ -43,6 +44,9 @@ class RankConfig:
     # makes its own pipes
     shm_dir: str | None = None  # the lab's shared-memory directory (labkit.wire.shm); None:
     # every tensor through the socket
+    stop_board: str | None = None  # the lab's Stop board, a file the rank maps to see at a
+    # cell's start whether Stop was pressed for it (labkit.wire.stop_board); None: the rank
+    # reads its side socket there instead (ranks attached over TCP)
 
     def __post_init__(self) -> None:
         _int_at_least("world_size", self.world_size, 1)
@@ -92,6 +96,12 @@ class RankConfig:
         ):
             raise ValueError(
                 f"shm_dir must be None or a /dev/shm/labkit-shm-* directory, got {self.shm_dir!r}"
+            )
+        if self.stop_board is not None and not (
+            isinstance(self.stop_board, str) and os.path.isabs(self.stop_board)
+        ):
+            raise ValueError(
+                f"stop_board must be None or an absolute file path, got {self.stop_board!r}"
             )
         if self.capture_fds is not None and (
             len(self.capture_fds) != 2
