@@ -10,7 +10,7 @@ back to back, and prints medians in microseconds:
 
 - kernel: when its first and last request left and its first and last reply came, counted from
   the moment `lab.run` began, and the whole call;
-- rank: each piece of serving one `exec` (decoding the request, reading a Stop sent before it,
+- rank: each piece of serving one `exec` (decoding the request, looking for a Stop pressed before it,
   compiling and running the code, checking the output pipes, encoding and sending the reply),
   and the whole, from the request read to the reply sent (the median over ranks of each rank's
   median).
@@ -59,7 +59,7 @@ def _whole(fn):
     return inner
 _R.ctrl.recv_multipart = _stamped(_R.ctrl.recv_multipart)
 _R.codec.decode = _timed("decode", _R.codec.decode)
-_R._take_side = _timed("Stop check", _R._take_side)
+_R._take_stop = _timed("Stop check", _R._take_stop)
 _w.run_code = _timed("compile and run", _w.run_code)
 _R.capture.flush = _timed("output check", _R.capture.flush)
 _tr.progress = _timed("progress", _tr.progress)
@@ -82,8 +82,7 @@ _it = iter([_sender.encode({"type": "exec", "id": 10**9, "display": True, "code"
 _done = dict(type="done", id=5, duration=0.1, error=None, t_end=1.0, stream_seq=3,
              progress=None, rank=0, gen=1)
 def _stop():
-    with _R.side_lock:
-        _R._take_side()
+    _R._take_stop(10**9)
 _pieces = dict(
     decode=lambda: _R.codec.decode(next(_it)),
     encode=lambda: _R.codec.encode(_Done(**_done)),

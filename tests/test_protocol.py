@@ -107,3 +107,18 @@ def test_every_byte_is_covered_by_the_tag(numel):
     with pytest.raises(AuthenticationError):
         Codec(codec.key).decode(moved)
     assert torch.equal(Codec(codec.key).decode(frames)["x"], torch.ones(numel))
+
+
+def test_a_small_message_is_tagged_with_keyed_blake2b_as_the_codec_says():
+    """The tag of a small message is BLAKE2b keyed with the lab key, over the nonce and each
+    frame's length and bytes, whichever way the codec computes it; another key's tag fails."""
+    import hashlib
+
+    key = new_key()
+    frames = Codec(key).encode({"type": "exec", "id": 7, "code": "pass", "x": torch.ones(3)})
+    nonce, body = frames[0][:16], [bytes(memoryview(f).cast("B")) for f in frames[1:]]
+    data = b"".join(len(b).to_bytes(8, "little") + b for b in body)
+    assert frames[0][16:] == hashlib.blake2b(nonce + data, key=key, digest_size=16).digest()
+    other = hashlib.blake2b(nonce + data, key=new_key(), digest_size=16).digest()
+    with pytest.raises(AuthenticationError):
+        Codec(key).decode([nonce + other, *body])
