@@ -10,8 +10,9 @@ back to back, and prints medians in microseconds:
 
 - kernel: when its first and last request left and its first and last reply came, counted from
   the moment `lab.run` began, and the whole call;
-- rank: each piece of serving one `exec` (decoding the request, looking for a Stop pressed before it,
-  compiling and running the code, checking the output pipes, encoding and sending the reply),
+- rank: each piece of serving one `exec` (decoding the request, looking for a Stop pressed
+  before it, compiling and running the code, checking the output pipes, encoding and sending
+  the reply),
   and the whole, from the request read to the reply sent (the median over ranks of each rank's
   median).
 
