@@ -100,11 +100,13 @@ class Channel(Admission, SideIO):
         self.side = self._bind("side")
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
-        self.poller = zmq.Poller()
-        # what the poller reports for ctrl: the socket, or (a DirectRouter) its descriptor
-        self._ctrl_ready: Any = self.ctrl if listen is not None else self.ctrl.fileno()
-        self.poller.register(self._ctrl_ready, zmq.POLLIN)
-        self.poller.register(self.wake_r, zmq.POLLIN)
+        self.poller: zmq.Poller | None = None
+        if isinstance(self.ctrl, DirectRouter):  # one epoll_wait for replies and wake-ups
+            self.ctrl.watch(self.wake_r)
+        else:
+            self.poller = zmq.Poller()
+            self.poller.register(self.ctrl, zmq.POLLIN)
+            self.poller.register(self.wake_r, zmq.POLLIN)
         self._io = threading.Thread(target=self._io_loop, name="labkit-io", daemon=True)
         self._io.start()
 
@@ -228,17 +230,10 @@ class Channel(Admission, SideIO):
         replies = {} if replies is None else replies
         pending = set(pending) - set(replies)
         while pending:
-            held = self._held()  # read already (a Ctrl-C came as it was read): take it now
-            ready = dict(self.poller.poll(0 if held else 100))
-            if held or self._ctrl_ready in ready:
+            if self._wait(100):
                 while (other := self._take(expect, msg_id, replies, pending)) is not None:
                     if on_other is not None:
                         on_other(other)
-            if self.wake_r in ready:
-                try:
-                    os.read(self.wake_r, 65536)
-                except BlockingIOError:
-                    pass
             self.drain_events()
             if deadline is not None and time.monotonic() > deadline and pending:
                 raise Stuck(f"no reply from rank(s) {sorted(pending)} in time")
@@ -258,7 +253,7 @@ class Channel(Admission, SideIO):
         even if Ctrl-C comes meanwhile (`uninterrupted`): one dropped there would leave its
         rank looking stuck."""
         with uninterrupted():
-            while self.ctrl.poll(0):
+            while self._waiting():
                 msg = self._receive(expect, msg_id)
                 if msg is None:
                     continue
@@ -269,9 +264,27 @@ class Channel(Admission, SideIO):
                 pending.discard(msg["rank"])
         return None
 
-    def _held(self) -> bool:
-        """Whether messages read from the direct links wait in the router."""
-        return isinstance(self.ctrl, DirectRouter) and bool(self.ctrl.received)
+    def _wait(self, timeout_ms: int) -> bool:
+        """Wait at most `timeout_ms` for a ctrl message or a wake-up of the I/O thread (output,
+        a death); whether a ctrl message can be taken now."""
+        if self.poller is None:  # direct links: one epoll_wait, which also reads the replies
+            if not self.ctrl.received:  # else read already (a Ctrl-C came as it was read)
+                self.ctrl.wait(timeout_ms)
+            return bool(self.ctrl.received)
+        ready = dict(self.poller.poll(timeout_ms))
+        if self.wake_r in ready:
+            try:
+                os.read(self.wake_r, 65536)
+            except BlockingIOError:
+                pass
+        return self.ctrl in ready
+
+    def _waiting(self) -> bool:
+        """Whether a ctrl message can be taken now. Direct links' replies are read by the
+        waiting loop's epoll_wait: no second system call to learn that none is left."""
+        if self.poller is None:
+            return bool(self.ctrl.received)
+        return self.ctrl.poll(0)
 
     def _receive(self, expect: str, msg_id: int | None) -> dict[str, Any] | None:
         """One ctrl message of this generation, or None for one to drop."""

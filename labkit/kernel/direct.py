@@ -65,6 +65,7 @@ class DirectRouter:
         self.received: deque[list[Any]] = deque()  # [route, *frames], in the order they came
         self._names = itertools.count(1)
         self.broken = 0  # links closed mid-message or with bytes that were not messages
+        self.watched: set[int] = set()  # other descriptors its epoll wakes for (`watch`)
 
     @property
     def endpoint(self) -> str:
@@ -86,6 +87,18 @@ class DirectRouter:
                 return
             if not sent:  # the rest goes out as the socket drains
                 self.epoll.modify(link.sock, select.EPOLLIN | select.EPOLLOUT)
+
+    def watch(self, fd: int) -> None:
+        """Wake on `fd` too, the read end of a non-blocking pipe that only says "look" (the
+        channel's wake-up pipe): its bytes are read and dropped here, so one epoll_wait is all
+        the waiting loop needs for replies and wake-ups alike."""
+        self.epoll.register(fd, select.EPOLLIN)
+        self.watched.add(fd)
+
+    def wait(self, timeout_ms: int) -> None:
+        """Wait at most `timeout_ms` for any socket or watched descriptor, then do what they
+        are ready for (replies land in `received`)."""
+        self._serve(timeout_ms / 1000)
 
     def poll(self, timeout_ms: int = 0) -> bool:
         """Whether a message is waiting, after doing what the sockets are ready for (accepting
@@ -116,6 +129,12 @@ class DirectRouter:
             if fd == self.listener.fileno():
                 self._accept()
                 continue
+            if fd in self.watched:
+                try:
+                    os.read(fd, 65536)
+                except OSError:  # drained already, or closed by its owner
+                    pass
+                continue
             link = self.links.get(fd)
             if link is None:
                 continue
@@ -135,6 +154,7 @@ class DirectRouter:
             self.links[sock.fileno()] = link
             self.by_route[link.route] = link
             self.epoll.register(sock, select.EPOLLIN)
+            self._read(link)  # what it sent already, in this turn: its events come in the next
 
     def _read(self, link: _Link) -> None:
         try:
