@@ -129,6 +129,9 @@ class Capture:
             reader = _Reader(name, r, send, self.log)
             reader.start()
             self.readers.append(reader)
+        self._pipes = select.poll()  # both pipes, registered once: one poll() per cell's end
+        for reader in self.readers:
+            self._pipes.register(reader.fd, select.POLLIN)
         sys.stdout = open(
             1, "w", buffering=1, encoding="utf-8", errors="backslashreplace", closefd=False
         )
@@ -152,11 +155,12 @@ class Capture:
 
     def _quiet(self) -> bool:
         """Nothing written is waiting to be forwarded (checked by the rank's main thread, at
-        every cell's end: one select() for both pipes).
+        every cell's end: one poll() for both pipes).
 
         The pipes are read first: a reader sets `busy` before it reads and clears it once the
         bytes are forwarded, so if both pipes were empty and then no reader is busy, whatever
         was in them has been forwarded (or waits in `pending`, a partial line).
         """
-        readable, _, _ = select.select([reader.fd for reader in self.readers], [], [], 0)
-        return not readable and not any(r.busy or r.pending for r in self.readers)
+        if self._pipes.poll(0):
+            return False
+        return not any(r.busy or r.pending for r in self.readers)
