@@ -12,9 +12,8 @@ back to back, and prints medians in microseconds:
   the moment `lab.run` began, and the whole call;
 - rank: each piece of serving one `exec` (decoding the request, looking for a Stop pressed
   before it, compiling and running the code, checking the output pipes, encoding and sending
-  the reply),
-  and the whole, from the request read to the reply sent (the median over ranks of each rank's
-  median).
+  the reply), and the whole, from the request read to the reply sent (the median over ranks of
+  each rank's median).
 
 The wrappers cost a little themselves; compare runs of this script, not its figures with the
 benchmark's (`python -m labkit.bench`).
