@@ -87,12 +87,12 @@ class SideChannel:
         only when the board has reached this cell (labkit.wire.stop_board); an attached rank,
         with no board, reads the side socket at every cell's start."""
         board = self.board
-        if board is not None:
-            pressed = board.cells[0]
-            if pressed < cell:  # the common cell: one load, no socket
-                return
-            self.stop_cell = max(pressed, self.stop_cell or 0)  # its message may still travel
+        pressed = board.cells[0] if board is not None else 0
+        if board is not None and pressed < cell:  # the common cell: one load, no socket
+            return
         with self.side_lock:
+            if board is not None:  # latched now: its message may still be on its way
+                self.stop_cell = max(pressed, self.stop_cell or 0)
             self._take_side()
 
     def _take_side(self) -> None:
