@@ -48,12 +48,23 @@ class LinkBroken(ConnectionError):
         self.clean = clean
 
 
+_PREFIXES: dict[int, struct.Struct] = {}  # frame count -> the struct of its length prefix
+
+
+def _prefix(n: int) -> struct.Struct:
+    """The struct of a message's length prefix, for `n` frames (made once per count)."""
+    prefix = _PREFIXES.get(n)
+    if prefix is None:
+        prefix = _PREFIXES[n] = struct.Struct(f"<I{n}Q")
+    return prefix
+
+
 def header(frames: list[Any]) -> tuple[bytes, int]:
     """The length prefix of `frames` (bytes, or any contiguous buffers), and the message's
     size with it."""
     sizes = [len(f) if type(f) is bytes else memoryview(f).nbytes for f in frames]
-    head = struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes)
-    return head, len(head) + sum(sizes)
+    prefix = _prefix(len(sizes))
+    return prefix.pack(len(sizes), *sizes), prefix.size + sum(sizes)
 
 
 class Outbox:
@@ -113,63 +124,76 @@ class Inbox:
 
     def feed(self, sock: socket.socket) -> None:
         """One read from `sock` (BlockingIOError if it has nothing; LinkBroken at its end)."""
-        self._read(sock)
-        self._parse()
-
-    def _read(self, sock: socket.socket) -> None:
         if self.big is not None:
-            n = sock.recv_into(memoryview(self.big)[self.big_at :])
-            self.drained = False  # a large frame streams in: read on until the socket is dry
-            if not n:
-                raise LinkBroken("the link was closed in the middle of a message")
-            self.big_at += n
-            if self.big_at == len(self.big):
-                assert self.lengths is not None
-                self.parts.append(self.big)
-                self.big = None
-                self.lengths.popleft()
-        else:
-            n = sock.recv_into(self.scratch)
-            self.drained = n < CHUNK
-            if not n:
-                cut = bool(self.buf) or self.lengths is not None
-                raise LinkBroken(
-                    "the link was closed" + (" in the middle of a message" if cut else ""),
-                    clean=not cut,
-                )
+            self._read_big(sock)
+            if self.big is None:  # the frame is whole: on with the frames after it
+                self._parse_held()
+            return
+        n = sock.recv_into(self.scratch)
+        self.drained = n < CHUNK
+        if not n:
+            cut = bool(self.buf) or self.lengths is not None
+            raise LinkBroken(
+                "the link was closed" + (" in the middle of a message" if cut else ""),
+                clean=not cut,
+            )
+        if self.buf:  # the rest of a message read before: parse it from the start
             self.buf += self.view[:n]
+            self._parse_held()
+        else:  # the common case: whole messages straight from the read, only a tail kept
+            used = self._take(self.view, n)
+            self.buf += self.view[used:n]
 
-    def _parse(self) -> None:
-        buf = self.buf
-        while self.big is None:
+    def _read_big(self, sock: socket.socket) -> None:
+        assert self.big is not None and self.lengths is not None
+        n = sock.recv_into(memoryview(self.big)[self.big_at :])
+        self.drained = False  # a large frame streams in: read on until the socket is dry
+        if not n:
+            raise LinkBroken("the link was closed in the middle of a message")
+        self.big_at += n
+        if self.big_at == len(self.big):
+            self.parts.append(self.big)
+            self.big = None
+            self.lengths.popleft()
+
+    def _parse_held(self) -> None:
+        with memoryview(self.buf) as view:
+            used = self._take(view, len(view))
+        del self.buf[:used]
+
+    def _take(self, view: memoryview, end: int) -> int:
+        """Whole messages (and the frames of one begun) from `view[:end]`; the bytes used. A
+        large frame is begun in a buffer of its own (`big`), which takes the rest of `view`."""
+        pos = 0
+        while True:
             if self.lengths is None:
-                if len(buf) < COUNT.size:
-                    return
-                (n,) = COUNT.unpack_from(buf)
+                if end - pos < COUNT.size:
+                    return pos
+                (n,) = COUNT.unpack_from(view, pos)
                 if not 0 < n <= MAX_FRAMES:
                     raise LinkBroken(f"a message of {n} frames: the stream is not labkit's")
-                if len(buf) < COUNT.size + 8 * n:
-                    return
-                self.lengths = deque(struct.unpack_from(f"<{n}Q", buf, COUNT.size))
+                if end - pos < COUNT.size + 8 * n:
+                    return pos
+                self.lengths = deque(_prefix(n).unpack_from(view, pos)[1:])
                 if (total := sum(self.lengths)) > MAX_MESSAGE:
                     raise LinkBroken(
                         f"a message of {total} bytes, over the {MAX_MESSAGE >> 20} "
                         "MiB a message may carry: the stream is not labkit's"
                     )
-                del buf[: COUNT.size + 8 * n]
-            while self.lengths:
-                size = self.lengths[0]
-                if len(buf) >= size:
-                    self.parts.append(bytes(buf[:size]))
-                    del buf[:size]
-                    self.lengths.popleft()
-                elif size - len(buf) > CHUNK:
+                pos += COUNT.size + 8 * n
+            lengths = self.lengths
+            while lengths:
+                size = lengths[0]
+                if end - pos >= size:
+                    self.parts.append(bytes(view[pos : pos + size]))
+                    pos += size
+                    lengths.popleft()
+                elif size - (end - pos) > CHUNK:
                     self.big = bytearray(size)
-                    self.big[: len(buf)] = buf
-                    self.big_at = len(buf)
-                    buf.clear()
-                    return
+                    self.big[: end - pos] = view[pos:end]
+                    self.big_at = end - pos
+                    return end
                 else:
-                    return
+                    return pos
             self.messages.append(self.parts)
             self.parts, self.lengths = [], None
