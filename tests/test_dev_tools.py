@@ -26,8 +26,10 @@ def test_cell_timers_time_every_piece_of_a_cell():
     pieces = {name: float(us) for name, us in re.findall(r"(\w+) ([\d.]+)(?:, |$)", warm)}
     assert list(pieces) == ["decode", "encode", "stop", "output"], warm
     # each timed alone, warm: a syscall or a keyed hash at least (an empty call takes well under
-    # 0.3 us), and far under a millisecond (a timer around the whole loop would show here)
-    assert all(0.3 < us < 1000 for us in pieces.values()), warm
+    # 0.3 us), but the Stop check, a load from the lab's Stop board; all far under a
+    # millisecond (a timer around the whole loop would show here)
+    assert all(0.3 < us < 1000 for name, us in pieces.items() if name != "stop"), warm
+    assert 0 < pieces["stop"] < 1000, warm
     kernel = re.findall(r"^kernel: (.*)$", out.stdout, re.M)
     rank = re.findall(r"^rank: +(.*)$", out.stdout, re.M)
     assert len(kernel) == len(rank) == 2  # after quiet, back to back
