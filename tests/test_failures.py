@@ -147,6 +147,7 @@ KERNEL = textwrap.dedent("""
     import labkit, sys
     lab = labkit.Lab(2, device="cpu")
     print(lab.server.proc.pid, *lab.pids.values(), flush=True)
+    print(lab.channel.sock_dir, flush=True)
     sys.stdin.read()
 """)
 
@@ -156,10 +157,13 @@ def test_killed_kernel_leaves_no_orphans():
         [sys.executable, "-c", KERNEL], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
     )
     pids = [int(p) for p in proc.stdout.readline().split()]
+    sock_dir = proc.stdout.readline().strip()
     assert len(pids) == 3 and all(pid_alive(p) for p in pids)
+    assert os.path.exists(os.path.join(sock_dir, "stop"))  # the lab's sockets and Stop board
     proc.kill()  # SIGKILL: no atexit, no cleanup in the kernel
     proc.wait()
     deadline = time.monotonic() + 5
     while any(pid_alive(p) for p in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not any(pid_alive(p) for p in pids), "rank or fork server outlived its kernel"
+    assert not os.path.exists(sock_dir), "the dead kernel's socket directory was left behind"

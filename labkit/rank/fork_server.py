@@ -30,12 +30,15 @@ import dataclasses
 import json
 import os
 import select
+import shutil
 import signal
 import sys
+import time
 
 from labkit.rank.capture import MARKER
 from labkit.wire import shm
 from labkit.wire.config import RankConfig
+from labkit.wire.framed import SCHEME
 from labkit.wire.logfile import log_path
 from labkit.wire.messages import Exited, ServerHello, ServerToKernel, Spawned, Warm
 
@@ -72,9 +75,13 @@ def facts() -> ServerHello:
 
 
 class Server:
-    def __init__(self) -> None:
+    def __init__(self, parent: int) -> None:
+        self.parent = parent  # the kernel
         self.children: dict[int, int] = {}  # pid -> rank
         self.shm_dirs: set[str] = set()  # the labs' shared-memory directories, removed at exit
+        # the labs' private socket directories (ctrl, side, the Stop board): their kernel
+        # removes them at a stop; removed here when the kernel died without that
+        self.sock_dirs: set[str] = set()
         self.pipes: dict[int, tuple[list[int], str | None]] = {}  # pid -> (read fds, log path)
         self.out = os.fdopen(os.dup(1), "w", buffering=1)
         self.wake_r, self.wake_w = os.pipe()
@@ -82,13 +89,19 @@ class Server:
         signal.set_wakeup_fd(self.wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, lambda *_: self.leave())  # the kernel died (PDEATHSIG)
+        # the kernel died (PDEATHSIG), or someone else ended this server while its kernel
+        # lives on
+        signal.signal(signal.SIGTERM, lambda *_: self.leave(self._parent_gone(within=1.0)))
 
-    def leave(self) -> None:
-        """Kill the ranks, remove the labs' shared-memory segments, and exit."""
+    def leave(self, kernel_gone: bool = False) -> None:
+        """Kill the ranks, remove the labs' shared-memory segments (and, `kernel_gone`, their
+        socket directories, which a live kernel removes itself), and exit."""
         self.kill(list(self.children), signal.SIGKILL)
         for directory in self.shm_dirs:
             shm.remove(directory)
+        if kernel_gone:
+            for directory in self.sock_dirs:
+                shutil.rmtree(directory, ignore_errors=True)
         os._exit(0)
 
     def say(self, msg: ServerToKernel) -> None:
@@ -99,6 +112,8 @@ class Server:
         cfg = dataclasses.replace(cfg, capture_fds=(pipes[0][0], pipes[1][0]))
         if cfg.shm_dir is not None:
             self.shm_dirs.add(cfg.shm_dir)
+        if (sock_dir := _sock_dir(cfg)) is not None:
+            self.sock_dirs.add(sock_dir)
         pid = os.fork()
         if pid == 0:
             os.dup2(pipes[0][1], 1)
@@ -197,7 +212,7 @@ class Server:
             if 0 not in ready:
                 continue
             data = os.read(0, 65536)
-            if not data:  # the kernel is gone
+            if not data:  # the kernel is gone (a live one says `exit` first)
                 break
             buf += data
             while b"\n" in buf:
@@ -210,7 +225,27 @@ class Server:
                 elif msg["cmd"] == "exit":
                     self.leave()
         del stdin
-        self.leave()
+        self.leave(kernel_gone=self._parent_gone(within=1.0))
+
+    def _parent_gone(self, within: float) -> bool:
+        """Whether the kernel died: this process gets a new parent then, once the kernel's
+        last thread has ended. PDEATHSIG comes as the thread that forked this server ends, and
+        stdin closes as the dying kernel's files are closed: both can come a moment before."""
+        deadline = time.monotonic() + within
+        while os.getppid() == self.parent:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+        return True
+
+
+def _sock_dir(cfg: RankConfig) -> str | None:
+    """The kernel's private socket directory a forked rank's ctrl link is in (None: none, or
+    not a directory labkit made: `labkit-*` from tempfile.mkdtemp)."""
+    if not cfg.ctrl.startswith(SCHEME):
+        return None
+    directory = os.path.dirname(cfg.ctrl.removeprefix(SCHEME))
+    return directory if os.path.basename(directory).startswith("labkit-") else None
 
 
 def warm_up() -> None:
@@ -230,7 +265,7 @@ def main() -> None:
     parent = int(sys.argv[1])
     die_with_parent(parent, signal.SIGTERM)  # handled: its ranks and segments go with it
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # count GPUs without initialising CUDA
-    server = Server()
+    server = Server(parent)
     import torch  # noqa: F401 - the point of this process: import once, fork many times
     import torch.distributed  # noqa: F401
 
