@@ -186,14 +186,60 @@ def test_even_odd_sums_rejects_groups_made_by_their_members_only(lab, monkeypatc
     waits in the all_reduce, but the ranks may also hang in new_group (not an op it watches):
     then the checker's own timeout stops it. Or both groups finish: each parity's first
     new_group gets the same name, so its store keys are shared, and a rank can pair with one
-    of the other parity (rank 0 with rank 3, under two busy loops) and return a wrong sum. A
-    wrong verdict every way."""
+    of the other parity (rank 0 with rank 3, under two busy loops) and return a wrong sum, or
+    each pairs within its parity and the sums are right: the checker then sees that group 1
+    has different members on even and odd ranks. A wrong verdict every way."""
     monkeypatch.setattr(labkit.exercises, "CHECK_TIMEOUT", 20.0)
     verdict = ex.check_even_odd_sums(lab, eo_own_group_only)
     assert not verdict, verdict
     hung = "the cell could not finish" in verdict.message
     crossed = re.fullmatch(r"rank \d returned \[[\d.]+\], expected \[[\d.]+\]", verdict.message)
-    assert hung or crossed, verdict
+    members = "group 1 has different members on different ranks" in verdict.message
+    assert hung or crossed or members, verdict
+
+
+class _Lab:
+    """What the checker reads of a lab whose ranks all returned (run_on_ranks is replaced)."""
+
+    world_size = 4
+
+    def trace(self, **_: object) -> list:
+        return []
+
+
+class _Results:
+    def __init__(self, values_by_rank: dict) -> None:
+        self.values_by_rank = values_by_rank
+
+
+@pytest.mark.parametrize(
+    "members, ok, says",
+    [
+        # each parity made its own group 1 and both pairs met within their parity
+        (
+            {0: {"1": [0, 2]}, 1: {"1": [1, 3]}, 2: {"1": [0, 2]}, 3: {"1": [1, 3]}},
+            False,
+            "group 1 has different members on different ranks (ranks [0, 2] made it [0, 2]; "
+            "ranks [1, 3] made it [1, 3])",
+        ),
+        # every rank made both groups: each holds only the one it is in (reference answer)
+        (
+            {0: {"1": [0, 2]}, 1: {"2": [1, 3]}, 2: {"1": [0, 2]}, 3: {"2": [1, 3]}},
+            True,
+            "all 4 ranks hold the expected tensors",
+        ),
+    ],
+)
+def test_group_members_compared_across_ranks(monkeypatch, members, ok: bool, says: str) -> None:
+    """The member check alone, without the race above: right sums, as many new_group calls on
+    every rank, and group names that mean different members on different ranks are wrong."""
+    sums = {r: torch.tensor([float(sum(range(r % 2, 4, 2)))]) for r in range(4)}
+    groups = {r: len(m) for r, m in members.items()}
+    got = {r: {"value": sums[r], "groups": groups[r], "members": members[r]} for r in range(4)}
+    monkeypatch.setattr(ex, "run_on_ranks", lambda lab, fn: (_Results(got), None))
+    verdict = ex._run_and_compare(_Lab(), eo_reference, sums)
+    assert bool(verdict) is ok, verdict
+    assert says in verdict.message, verdict
 
 
 # ---------------------------------------------------------------- 11: pair swap

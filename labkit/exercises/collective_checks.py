@@ -5,8 +5,9 @@ rank's namespace entries it names, e.g. `rank`, `world_size`) and compare what e
 with a reference computed here. A cell the lab had to stop (a deadlock, a hang) counts as wrong,
 with the lab's diagnosis as the reason; the ranks are then fresh. Right numbers are not
 enough: the trace must show the communication the exercise asks for (a collective on a
-group, send/recv, reduce_scatter + all_gather), and every rank must have created as many
-numbered groups (new_group is called by every rank).
+group, send/recv, reduce_scatter + all_gather), every rank must have created as many
+numbered groups (new_group is called by every rank), and a numbered group must have the same
+members on every rank that is in it.
 """
 
 from __future__ import annotations
@@ -38,19 +39,25 @@ __all__ = [
 
 def _counting_groups(fn: Callable[..., Any]) -> Callable[..., Any]:
     """`fn` wrapped to run on a rank: it returns {"value": fn's value, "groups": how many
-    numbered groups fn created there (new_group without use_local_synchronization)}. It takes
-    the same namespace names as fn (lab.run reads the signature)."""
+    numbered groups fn created there (new_group without use_local_synchronization), "members":
+    {group name: its global ranks} for those of them this rank is in}. It takes the same
+    namespace names as fn (lab.run reads the signature)."""
     import inspect
 
     def task(**names: Any) -> dict[str, Any]:
         from torch.distributed import distributed_c10d
 
-        before = getattr(distributed_c10d._world, "group_count", 0)  # private: may go away
+        world = distributed_c10d._world  # private: group_count, pg_names, pg_group_ranks
+        before = getattr(world, "group_count", 0)
         value = fn(**names)
-        return {
-            "value": value,
-            "groups": getattr(distributed_c10d._world, "group_count", 0) - before,
+        after = getattr(world, "group_count", 0)
+        numbered = {str(k) for k in range(before, after)}
+        members = {
+            name: sorted(getattr(world, "pg_group_ranks", {}).get(pg, {}))
+            for pg, name in getattr(world, "pg_names", {}).items()
+            if name in numbered
         }
+        return {"value": value, "groups": after - before, "members": members}
 
     task.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
     return task
@@ -76,6 +83,20 @@ def _run_and_compare(lab: Any, fn: Callable[..., Any], expected: dict[int, Any])
             "group, in the same order, even for a group it is not in (or pass "
             "use_local_synchronization=True): otherwise the next group gets mismatched names"
         )
+    held: dict[str, dict[tuple[int, ...], list[int]]] = {}
+    for r, got in sorted(out.items()):
+        for name, ranks in got.get("members", {}).items():
+            held.setdefault(name, {}).setdefault(tuple(ranks), []).append(r)
+    for name, versions in sorted(held.items()):
+        if len(versions) > 1:
+            seen = "; ".join(f"ranks {who} made it {list(m)}" for m, who in versions.items())
+            return wrong(
+                f"group {name} has different members on different ranks ({seen}). Every rank "
+                "must call new_group for every group, in the same order, even for a group it "
+                "is not in (or pass use_local_synchronization=True): a group's name is its "
+                "number, so two different groups made at the same point share one name and "
+                "its rendezvous keys"
+            )
     return right(f"all {len(expected)} ranks hold the expected tensors")
 
 
