@@ -148,3 +148,43 @@ def test_help_and_errors_in_a_notebook(kernel):
     bad = kernel.run("%lab start 2 --backend nccl")  # no GPU here: the lab's own check
     assert bad["error"]["ename"] == "UsageError" and "one GPU per rank" in bad["error"]["evalue"]
     assert "no lab is running" in kernel.run("%lab status")["error"]["evalue"]
+
+
+def test_ranks_line_expands_variables_as_ipython_does(monkeypatch):
+    """`%%ranks` opts out of IPython's expansion (it copies the whole namespace each cell) and
+    expands `$name` and `{expression}` itself when the line has them: the same words as a
+    cell magic that IPython expands, called from a cell and from a function (IPython reads the
+    locals two frames above its run_cell_magic; a wrong frame fails the last case)."""
+    from IPython.core.magic import register_cell_magic
+    from IPython.testing.globalipapp import start_ipython
+
+    import labkit.kernel.magics as magics_module
+
+    shell = start_ipython()
+    shell.register_magics(LabMagics)
+    seen: list[list[str]] = []
+    expanded: list[str] = []
+
+    def parse(func, argv):
+        seen.append(argv)
+        raise UsageError("parsed")  # nothing further: no lab is needed
+
+    monkeypatch.setattr(magics_module, "_parse", parse)
+    register_cell_magic("labkit_test_echo")(lambda line, cell: expanded.append(line))
+    shell.user_ns.update(sel="0,2", t=5)
+    lines = ["$sel --timeout {t*2}", "{sel}", "", "--timeout 3", "$nope {", "1-3 }"]
+    for line in lines:
+        shell.run_cell(f"%%ranks {line}\n1")
+        shell.run_cell(f"%%labkit_test_echo {line}\n1")
+    shell.run_cell(
+        "def from_a_function():\n"
+        "    sel = '1-3'\n"
+        "    for name in ('ranks', 'labkit_test_echo'):\n"
+        "        try:\n"
+        "            get_ipython().run_cell_magic(name, '$sel {sel}', '1')\n"
+        "        except Exception:\n"
+        "            pass\n"
+        "from_a_function()\n"
+    )
+    assert [" ".join(argv) for argv in seen] == [e.strip() for e in expanded], (seen, expanded)
+    assert seen[0] == ["0,2", "--timeout", "10"] and seen[1] == ["0,2"], seen

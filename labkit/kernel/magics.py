@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
-from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class, no_var_expand
 from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
 
@@ -88,6 +89,21 @@ def _split(name: str, line: str) -> list[str]:
         return shlex.split(line)
     except ValueError as exc:
         raise UsageError(f"{name}: cannot read {line!r}: {exc}") from None
+
+
+def _expand(shell: Any, line: str) -> str:
+    """`$name` and `{expression}` in a magic's line expanded as IPython expands them: against
+    the user's namespace and the locals of the frame its own expansion reads. IPython's own
+    expansion copies the whole namespace (every `_iN` of the session) for every cell, with or
+    without anything to expand; `%%ranks` asks for it only when its line has `$` or `{`."""
+    frame, depth = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_name != "run_cell_magic":
+        frame, depth = frame.f_back, depth + 1
+    if frame is None:  # not called through IPython's run_cell_magic: the user's namespace
+        return str(shell.var_expand(line, 10**6))
+    # IPython's run_cell_magic expands with depth 2 from its own frame; from here it is `depth`
+    # frames further down
+    return str(shell.var_expand(line, depth + 2))
 
 
 def _parse(func: Callable[..., Any], argv: list[str]) -> argparse.Namespace:
@@ -280,6 +296,7 @@ class LabMagics(Magics):
         action="store_true",
         help="run the cell under torch.profiler; labkit.save_trace(lab, path) then has its ops",
     )
+    @no_var_expand  # expanded below, only when the line has a `$` or `{`
     @cell_magic
     def ranks(self, line: str, cell: str) -> None:
         """Run the cell on every rank of the current lab at the same time, or on RANKS.
@@ -288,6 +305,8 @@ class LabMagics(Magics):
         per rank (end the cell with `;` to hide it). A rank's error names the rank. With
         `--profile` the cell runs under torch.profiler (labkit.profile).
         """
+        if "$" in line or "{" in line:
+            line = _expand(self.shell, line)
         args = _parse(self.ranks, _split("%%ranks", line))
         lab = lab_module.current()
         try:
