@@ -155,12 +155,11 @@ def test_ranks_line_expands_variables_as_ipython_does(monkeypatch):
     expands `$name` and `{expression}` itself when the line has them: the same words as a
     cell magic that IPython expands, called from a cell and from a function (IPython reads the
     locals two frames above its run_cell_magic; a wrong frame fails the last case)."""
-    from IPython.core.magic import register_cell_magic
-    from IPython.testing.globalipapp import start_ipython
+    from IPython.core.interactiveshell import InteractiveShell
 
     import labkit.kernel.magics as magics_module
 
-    shell = start_ipython()
+    shell = InteractiveShell.instance()  # the process's one shell (other tests share it)
     shell.register_magics(LabMagics)
     seen: list[list[str]] = []
     expanded: list[str] = []
@@ -170,8 +169,12 @@ def test_ranks_line_expands_variables_as_ipython_does(monkeypatch):
         raise UsageError("parsed")  # nothing further: no lab is needed
 
     monkeypatch.setattr(magics_module, "_parse", parse)
-    register_cell_magic("labkit_test_echo")(lambda line, cell: expanded.append(line))
-    shell.user_ns.update(sel="0,2", t=5)
+    shell.register_magic_function(
+        lambda line, cell: expanded.append(line), "cell", "labkit_test_echo"
+    )
+    monkeypatch.setitem(shell.user_ns, "sel", "0,2")
+    monkeypatch.setitem(shell.user_ns, "t", 5)
+    monkeypatch.setitem(shell.user_ns, "from_a_function", None)  # removed again afterwards
     lines = ["$sel --timeout {t*2}", "{sel}", "", "--timeout 3", "$nope {", "1-3 }"]
     for line in lines:
         shell.run_cell(f"%%ranks {line}\n1")
