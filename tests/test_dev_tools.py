@@ -48,3 +48,22 @@ def test_cell_timers_time_every_piece_of_a_cell():
         # the rank's whole turn lies inside the kernel's call, and holds its pieces
         assert r["request read to reply sent"] < k["lab.run"]
         assert r["request read to reply sent"] >= r["encode"] + r["send"]
+
+
+@pytest.mark.timeout(120)
+def test_wake_probe_times_both_ways_of_waking():
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "scripts", "wake_probe.py")]
+        + ["--procs", "2", "--cells", "5", "--rounds", "2"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    rows = re.findall(
+        r"^a socket write each (\d+) us, one eventfd write (\d+) us$", out.stdout, re.M
+    )
+    assert len(rows) == 2, out.stdout
+    # a round trip to a process woken after 20 ms of quiet: more than the 20 ms sleep is not it
+    # (the timer starts after the sleep), and a wake-up takes some microseconds at least
+    assert all(1 <= int(us) < 20_000 for row in rows for us in row), rows
