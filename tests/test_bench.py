@@ -15,11 +15,12 @@ pytestmark = pytest.mark.timeout(240)
 
 def test_kernel_cells_time_a_lab_run_inside_a_cell():
     out = kernel_cells(2, cells=5, pairs=3, later_s=0.1)
-    times = ("own", "ranks", "bare", "echo", "inside_at_once_s", "inside_later_s")
+    times = ("own", "ranks", "bare", "echo", "magic", "inside_at_once_s", "inside_later_s")
     cpu = ("cpu_own_s", "cpu_cell_s", "cpu_ranks_s")
-    assert set(out) == {*times, *cpu, "rss_growth", "echo_trips", "bare_trips"}
-    # every echo and bare cell, warm-up and timed, made its round trip
-    assert out["echo_trips"] == out["bare_trips"] == 20 + 3
+    assert set(out) == {*times, *cpu, "rss_growth", "echo_trips", "bare_trips", "magic_calls"}
+    # every echo and bare cell, warm-up and timed, made its round trip, and the magic that does
+    # nothing ran as often (a cell that failed to reach its magic would be timed as nothing)
+    assert out["echo_trips"] == out["bare_trips"] == out["magic_calls"] == 20 + 3
     for key in times + cpu:
         assert math.isfinite(out[key]) and out[key] > 0, out
     # a lab.run on 2 ranks is a round trip to two processes: far more than 50 us on any machine

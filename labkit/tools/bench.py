@@ -5,11 +5,12 @@
 The main table (4 ranks by default; targets in the last column):
 - a no-op `%%ranks` cell through a real kernel, interleaved with the kernel's own no-op cell
   (the floor), median of 50 pairs; target: within 1 ms of the floor; beside them, interleaved,
-  a cell magic whose only work is an empty message to as many plain processes and back over
-  the same sockets (the part of the gap that reaching the ranks costs on this machine, before
-  any of labkit's work), and one that sends the same request to the ranks and reads their
-  replies with none of the kernel's machinery (the part that is the ranks' work and the
-  signing; `bench_kernel`): the rest is the kernel's machinery;
+  a cell magic that does nothing (IPython's own path for any `%%` cell: the cell turned into a
+  call, compiled and made), a cell magic whose only work is an empty message to as many plain
+  processes and back over the same sockets (the part of the gap that reaching the ranks costs
+  on this machine, before any of labkit's work), and one that sends the same request to the
+  ranks and reads their replies with none of the kernel's machinery (the part that is the
+  ranks' work and the signing; `bench_kernel`): the rest is the kernel's machinery;
 - where that time goes: the same `lab.run` timed inside a kernel cell (`bench_kernel`), at
   once, as `%%ranks` runs it, while the kernel's own start-of-cell messages still travel to the
   client through threads and processes that share the cores with the ranks, beside 3 ms into
@@ -171,6 +172,14 @@ def main(argv: list[str] | None = None) -> int:
             "-",
         ),
         (
+            "no-op cell magic, does nothing (kernel)",
+            _ms(k["magic"]),
+            f"{_ms(k['own'])} kernel no-op",
+            f"{(k['magic'] - k['own']) * 1e3:+.2f} ms",
+            "-",
+            "-",
+        ),
+        (
             f"no-op cell on {n} echo procs (kernel)",
             _ms(k["echo"]),
             f"{_ms(k['own'])} kernel no-op",
@@ -277,8 +286,10 @@ def main(argv: list[str] | None = None) -> int:
         f"differ by {traced['noise'] * 100:+.1f} % in this run (the comparison's noise)"
     )
     print(
-        f"the no-op %%ranks cell's gap, {extra:+.2f} ms: reaching {n} processes and back "
-        f"{(k['echo'] - k['own']) * 1e3:+.2f} ms (the echo cell), the ranks' work and the signing "
+        f"the no-op %%ranks cell's gap, {extra:+.2f} ms: IPython's path for any cell magic "
+        f"{(k['magic'] - k['own']) * 1e3:+.2f} ms (the magic that does nothing), reaching {n} "
+        f"processes and back {(k['echo'] - k['magic']) * 1e3:+.2f} ms (the echo cell over it), "
+        f"the ranks' work and the signing "
         f"{(k['bare'] - k['echo']) * 1e3:+.2f} ms (the bare cell over the echo), the kernel's "
         f"machinery {(k['ranks'] - k['bare']) * 1e3:+.2f} ms (%%ranks over the bare cell)"
     )

@@ -3,12 +3,17 @@
 goes, and the kernel's memory over many cells.
 
 Where the time goes, inside the kernel:
+- a cell magic that does nothing (`NOTHING_SETUP`): what IPython's own path for a cell magic
+  costs over a plain cell (turning the cell into a call, compiling and making it), which any
+  `%%` cell pays before its magic runs;
 - a cell magic that does nothing but send an empty message to as many plain processes and wait
   for their echoes, over the same sockets (`bench_others.EchoGroup`): what reaching the ranks
   and back from a cell costs on this machine before any of labkit's work, interleaved with the
   others; and one that sends the `%%ranks` cell's request to the ranks and reads their
-  replies with none of the kernel's machinery around it (`BARE_SETUP`): between the three, the
-  gap splits into the transport, the ranks' work with the signing, and the kernel's machinery;
+  replies with none of the kernel's machinery around it (`BARE_SETUP`): between the four, the
+  gap splits into IPython's cell-magic path, the transport, the ranks' work with the signing,
+  and the kernel's machinery (each of these magics, as `%%ranks`, skips IPython's expansion of
+  the magic's line: `no_var_expand`);
 - `lab.run` timed inside a cell, at once (as `%%ranks` runs it, while the kernel's own
   start-of-cell messages, `status: busy` and `execute_input`, are still on their way to the
   client through threads and processes that share the cores with the ranks) and `later_s` into
@@ -33,18 +38,32 @@ INSIDE = (
 INSIDE_LATER_S = 0.003
 # the floor of a no-op cell on n processes from this kernel: a cell magic whose only work is a
 # round trip to n idle echo processes over the ctrl links' sockets
-ECHO_SETUP = (
-    "from labkit.tools.bench_others import EchoGroup as _EchoGroup\n"
-    "_bench_echo = _EchoGroup({n})\n"
-    "get_ipython().register_magic_function("
-    "lambda line, cell: _bench_echo.roundtrip(), 'cell', 'bench_echo')"
-)
+ECHO_SETUP = """
+from IPython.core.magic import no_var_expand as _bench_nve
+from labkit.tools.bench_others import EchoGroup as _EchoGroup
+_bench_echo = _EchoGroup({n})
+@_bench_nve
+def _bench_echo_magic(line, cell):
+    _bench_echo.roundtrip()
+get_ipython().register_magic_function(_bench_echo_magic, "cell", "bench_echo")
+"""
+# IPython's own cost of a cell magic: one that only counts its calls
+NOTHING_SETUP = """
+from IPython.core.magic import no_var_expand as _bench_nve
+_bench_nothing_calls = [0]
+@_bench_nve
+def _bench_nothing(line, cell):
+    _bench_nothing_calls[0] += 1
+get_ipython().register_magic_function(_bench_nothing, "cell", "bench_nothing")
+"""
 # the same cell on labkit's ranks, signed both ways, with none of the kernel's machinery (no
 # magic's parsing, Lab.run, CellRun, waiting loop or results): the request encoded once and
 # written to each rank's direct link, then replies read until every rank's `done` came
 BARE_SETUP = """
 import time as _bench_bt
+from IPython.core.magic import no_var_expand as _bench_nve
 _bench_bare_trips = [0]
+@_bench_nve
 def _bench_bare(line, cell, lab=lab):
     channel, router = lab.channel, lab.channel.ctrl
     lab._cell += 1
@@ -70,11 +89,13 @@ def kernel_cells(
     n: int, cells: int, pairs: int, later_s: float = INSIDE_LATER_S
 ) -> dict[str, float]:
     """Medians of `pairs` interleaved no-op cells, each after the kernel's own (`own`): `%%ranks`
-    (`ranks`), `%%bench_bare` (`bare`: the same request to the same ranks with none of the
-    kernel's machinery, `BARE_SETUP`) and `%%bench_echo` (`echo`: a round trip to `n` plain
-    echo processes, `bench_others.EchoGroup`); `bare_trips` and `echo_trips` count the round
-    trips their magics made; `lab.run` inside a cell (`_inside_cells`); CPU per cell
-    (`_cpu_per_cell`); the kernel's RSS growth over `cells` `%%ranks` cells, in MB."""
+    (`ranks`), `%%bench_nothing` (`magic`: a cell magic that does nothing, `NOTHING_SETUP`),
+    `%%bench_bare` (`bare`: the same request to the same ranks with none of the kernel's
+    machinery, `BARE_SETUP`) and `%%bench_echo` (`echo`: a round trip to `n` plain echo
+    processes, `bench_others.EchoGroup`); `bare_trips` and `echo_trips` count the round trips
+    their magics made, `magic_calls` the calls of the one that does nothing; `lab.run` inside a
+    cell (`_inside_cells`); CPU per cell (`_cpu_per_cell`); the kernel's RSS growth over
+    `cells` `%%ranks` cells, in MB."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
@@ -92,15 +113,21 @@ def kernel_cells(
         run("lab.server.wait_warm()")
         run(ECHO_SETUP.format(n=n))
         run(BARE_SETUP)
-        cells3 = ("%%ranks\npass", "%%bench_bare\npass", "%%bench_echo\npass")
+        run(NOTHING_SETUP)
+        kinds = ("%%ranks", "%%bench_bare", "%%bench_echo", "%%bench_nothing")
         for _ in range(20):
-            for code in cells3:
+            for kind in kinds:
                 run("pass")
-                run(code)
-        timed = [[(run("pass"), run(code)) for code in cells3] for _ in range(pairs)]
+                run(f"{kind}\npass")
+        timed = [[(run("pass"), run(f"{kind}\npass")) for kind in kinds] for _ in range(pairs)]
         own = statistics.median(p[0] for group in timed for p in group)
-        ranks, bare, echo = (statistics.median(g[i][1] for g in timed) for i in range(3))
-        trips = _ask(kc, echo="_bench_echo.trips", bare="_bench_bare_trips[0]")
+        ranks, bare, echo, magic = (statistics.median(g[i][1] for g in timed) for i in range(4))
+        trips = _ask(
+            kc,
+            echo="_bench_echo.trips",
+            bare="_bench_bare_trips[0]",
+            magic="_bench_nothing_calls[0]",
+        )
         run("_bench_echo.close()")
         pid = km.provisioner.process.pid  # type: ignore[union-attr]
         inside = _inside_cells(run, kc, pairs, later_s)
@@ -115,8 +142,10 @@ def kernel_cells(
             "ranks": ranks,
             "echo": echo,
             "bare": bare,
+            "magic": magic,
             "echo_trips": trips["echo"],
             "bare_trips": trips["bare"],
+            "magic_calls": trips["magic"],
             "rss_growth": rss1 - rss0,
             **inside,
             **cpu,
