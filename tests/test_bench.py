@@ -14,13 +14,19 @@ pytestmark = pytest.mark.timeout(240)
 
 
 def test_kernel_cells_time_a_lab_run_inside_a_cell():
-    out = kernel_cells(2, cells=5, pairs=3, later_s=0.1)
-    times = ("own", "ranks", "bare", "echo", "magic", "inside_at_once_s", "inside_later_s")
+    out = kernel_cells(2, cells=5, pairs=3, later_s=0.1, paced=2, pause_s=0.3)
+    times = ("own", "ranks", "rot_own", "rot_ranks", "bare", "echo", "magic")
+    times += ("paced_own", "paced_ranks", "paced_echo_own", "paced_echo")
+    times += ("inside_at_once_s", "inside_later_s")
     cpu = ("cpu_own_s", "cpu_cell_s", "cpu_ranks_s")
     assert set(out) == {*times, *cpu, "rss_growth", "echo_trips", "bare_trips", "magic_calls"}
     # every echo and bare cell, warm-up and timed, made its round trip, and the magic that does
-    # nothing ran as often (a cell that failed to reach its magic would be timed as nothing)
-    assert out["echo_trips"] == out["bare_trips"] == out["magic_calls"] == 20 + 3
+    # nothing ran as often (a cell that failed to reach its magic would be timed as nothing);
+    # the echo also ran in the paced pairs
+    assert out["bare_trips"] == out["magic_calls"] == 20 + 3
+    assert out["echo_trips"] == 20 + 3 + 2
+    # the pause comes before a cell, never inside its timing
+    assert all(out[k] < 0.3 for k in ("paced_own", "paced_ranks", "paced_echo")), out
     for key in times + cpu:
         assert math.isfinite(out[key]) and out[key] > 0, out
     # a lab.run on 2 ranks is a round trip to two processes: far more than 50 us on any machine

@@ -4,13 +4,16 @@
 
 The main table (4 ranks by default; targets in the last column):
 - a no-op `%%ranks` cell through a real kernel, interleaved with the kernel's own no-op cell
-  (the floor), median of 50 pairs; target: within 1 ms of the floor; beside them, interleaved,
-  a cell magic that does nothing (IPython's own path for any `%%` cell: the cell turned into a
-  call, compiled and made), a cell magic whose only work is an empty message to as many plain
-  processes and back over the same sockets (the part of the gap that reaching the ranks costs
-  on this machine, before any of labkit's work), and one that sends the same request to the
-  ranks and reads their replies with none of the kernel's machinery (the part that is the
-  ranks' work and the signing; `bench_kernel`): the rest is the kernel's machinery;
+  (the floor), median of 50 pairs back to back; target: within 1 ms of the floor. The same
+  pairs with a 100 ms pause before every cell (as a person runs cells: the kernel and the ranks
+  go idle), beside an echo cell paired so (below). Then, in one rotation, each after a kernel
+  no-op: the `%%ranks` cell again (its ranks idle longer there), a cell magic that does nothing
+  (IPython's own path for any `%%` cell: the cell turned into a call, compiled and made), a
+  cell magic whose only work is an empty message to as many plain processes and back over the
+  same sockets (the part of the gap that reaching the ranks costs on this machine, before any
+  of labkit's work), and one that sends the same request to the ranks and reads their replies
+  with none of the kernel's machinery (the part that is the ranks' work and the signing;
+  `bench_kernel`): the rest is the kernel's machinery;
 - where that time goes: the same `lab.run` timed inside a kernel cell (`bench_kernel`), at
   once, as `%%ranks` runs it, while the kernel's own start-of-cell messages still travel to the
   client through threads and processes that share the cores with the ranks, beside 3 ms into
@@ -65,7 +68,7 @@ import time
 from typing import Any
 
 from labkit.tools import bench_others
-from labkit.tools.bench_kernel import INSIDE_LATER_S, kernel_cells
+from labkit.tools.bench_kernel import INSIDE_LATER_S, PAUSE_S, kernel_cells
 from labkit.tools.bench_labkit import (
     IDLE_S,
     cold_start,
@@ -117,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     res["load_before"] = os.getloadavg()
     print(f"labkit benchmark: {n} CPU ranks on {os.cpu_count()} cores; {_load()}", flush=True)
 
-    k = kernel_cells(n, cells, 20 if args.quick else 50)
+    k = kernel_cells(n, cells, 20 if args.quick else 50, paced=10 if args.quick else 30)
     cold, torch_import = cold_start(n)
     rows_n = {m: scaling(m, reps) for m in sorted({*scale, n})}
     main_n = rows_n[n]
@@ -148,6 +151,9 @@ def main(argv: list[str] | None = None) -> int:
     res.update(traced)
     res["load_after"] = os.getloadavg()
 
+    def ms(seconds: float) -> str:
+        return f"{seconds * 1e3:+.2f} ms"
+
     def other(key: str) -> str:
         return _ms(ipp[key]) if ipp else "-"
 
@@ -164,26 +170,50 @@ def main(argv: list[str] | None = None) -> int:
             "+1 ms",
         ),
         (
-            "no-op cell, bare kernel loop (kernel)",
-            _ms(k["bare"]),
-            f"{_ms(k['own'])} kernel no-op",
-            f"{(k['bare'] - k['own']) * 1e3:+.2f} ms",
+            f"the same, {PAUSE_S * 1e3:.0f} ms pause before each cell",
+            _ms(k["paced_ranks"]),
+            f"{_ms(k['paced_own'])} kernel no-op",
+            f"{(k['paced_ranks'] - k['paced_own']) * 1e3:+.2f} ms",
             "-",
             "-",
         ),
         (
-            "no-op cell magic, does nothing (kernel)",
+            f"no-op cell on {n} echo procs, paced so",
+            _ms(k["paced_echo"]),
+            f"{_ms(k['paced_echo_own'])} kernel no-op",
+            f"{(k['paced_echo'] - k['paced_echo_own']) * 1e3:+.2f} ms",
+            "-",
+            "-",
+        ),
+        (
+            "no-op %%ranks cell, in the rotation:",
+            _ms(k["rot_ranks"]),
+            f"{_ms(k['rot_own'])} kernel no-op",
+            f"{(k['rot_ranks'] - k['rot_own']) * 1e3:+.2f} ms",
+            "-",
+            "-",
+        ),
+        (
+            "- cell magic that does nothing",
             _ms(k["magic"]),
-            f"{_ms(k['own'])} kernel no-op",
-            f"{(k['magic'] - k['own']) * 1e3:+.2f} ms",
+            f"{_ms(k['rot_own'])} kernel no-op",
+            f"{(k['magic'] - k['rot_own']) * 1e3:+.2f} ms",
             "-",
             "-",
         ),
         (
-            f"no-op cell on {n} echo procs (kernel)",
+            f"- cell magic: echo from {n} plain procs",
             _ms(k["echo"]),
-            f"{_ms(k['own'])} kernel no-op",
-            f"{(k['echo'] - k['own']) * 1e3:+.2f} ms",
+            f"{_ms(k['rot_own'])} kernel no-op",
+            f"{(k['echo'] - k['rot_own']) * 1e3:+.2f} ms",
+            "-",
+            "-",
+        ),
+        (
+            "- cell magic: bare loop to the ranks",
+            _ms(k["bare"]),
+            f"{_ms(k['rot_own'])} kernel no-op",
+            f"{(k['bare'] - k['rot_own']) * 1e3:+.2f} ms",
             "-",
             "-",
         ),
@@ -286,12 +316,13 @@ def main(argv: list[str] | None = None) -> int:
         f"differ by {traced['noise'] * 100:+.1f} % in this run (the comparison's noise)"
     )
     print(
-        f"the no-op %%ranks cell's gap, {extra:+.2f} ms: IPython's path for any cell magic "
-        f"{(k['magic'] - k['own']) * 1e3:+.2f} ms (the magic that does nothing), reaching {n} "
-        f"processes and back {(k['echo'] - k['magic']) * 1e3:+.2f} ms (the echo cell over it), "
-        f"the ranks' work and the signing "
-        f"{(k['bare'] - k['echo']) * 1e3:+.2f} ms (the bare cell over the echo), the kernel's "
-        f"machinery {(k['ranks'] - k['bare']) * 1e3:+.2f} ms (%%ranks over the bare cell)"
+        f"in the rotation (5 other cells before each %%ranks cell there, against 1 in the "
+        f"pairs), the no-op %%ranks cell's gap, {ms(k['rot_ranks'] - k['rot_own'])}: IPython's "
+        f"path for any cell magic {ms(k['magic'] - k['rot_own'])} (the magic that does "
+        f"nothing), reaching {n} processes and back {ms(k['echo'] - k['magic'])} (the echo cell "
+        f"over it), the ranks' work and the signing {ms(k['bare'] - k['echo'])} (the bare cell "
+        f"over the echo), the kernel's machinery {ms(k['rot_ranks'] - k['bare'])} (%%ranks over "
+        "the bare cell)"
     )
     print(
         f"CPU per no-op cell, all threads: the kernel process {_ms(k['cpu_own_s'])} for its own, "

@@ -2,18 +2,26 @@
 `labkit.tools.bench`): a no-op `%%ranks` cell beside the kernel's own no-op cell, where its time
 goes, and the kernel's memory over many cells.
 
-Where the time goes, inside the kernel:
+The target's figure: interleaved pairs of the kernel's own no-op cell and a no-op `%%ranks`
+cell, back to back, nothing else between them (the ranks idle for the one plain cell between
+two of theirs). The same pairs with a pause before every cell (`pause_s`, as a person runs
+cells), beside an echo cell paired the same way: how the gap and its floor look once the
+kernel and the ranks have gone idle.
+
+Where the time goes: each of these cells after a kernel no-op, in one rotation with the
+`%%ranks` cell (so the ranks idle longer between two of their cells than in the pairs above,
+and the gap there is larger):
 - a cell magic that does nothing (`NOTHING_SETUP`): what IPython's own path for a cell magic
   costs over a plain cell (turning the cell into a call, compiling and making it), which any
   `%%` cell pays before its magic runs;
 - a cell magic that does nothing but send an empty message to as many plain processes and wait
   for their echoes, over the same sockets (`bench_others.EchoGroup`): what reaching the ranks
-  and back from a cell costs on this machine before any of labkit's work, interleaved with the
-  others; and one that sends the `%%ranks` cell's request to the ranks and reads their
-  replies with none of the kernel's machinery around it (`BARE_SETUP`): between the four, the
-  gap splits into IPython's cell-magic path, the transport, the ranks' work with the signing,
-  and the kernel's machinery (each of these magics, as `%%ranks`, skips IPython's expansion of
-  the magic's line: `no_var_expand`);
+  and back from a cell costs on this machine before any of labkit's work; and one that sends
+  the `%%ranks` cell's request to the ranks and reads their replies with none of the kernel's
+  machinery around it (`BARE_SETUP`): between the four, the gap splits into IPython's
+  cell-magic path, the transport, the ranks' work with the signing, and the kernel's machinery
+  (each of these magics, as `%%ranks`, skips IPython's expansion of the magic's line:
+  `no_var_expand`);
 - `lab.run` timed inside a cell, at once (as `%%ranks` runs it, while the kernel's own
   start-of-cell messages, `status: busy` and `execute_input`, are still on their way to the
   client through threads and processes that share the cores with the ranks) and `later_s` into
@@ -36,6 +44,7 @@ INSIDE = (
     "_bench['{key}'].append(_bench_t.perf_counter() - _t0)"
 )
 INSIDE_LATER_S = 0.003
+PAUSE_S = 0.1  # before each cell of the paced pairs: long enough for every process to go idle
 # the floor of a no-op cell on n processes from this kernel: a cell magic whose only work is a
 # round trip to n idle echo processes over the ctrl links' sockets
 ECHO_SETUP = """
@@ -86,16 +95,25 @@ get_ipython().register_magic_function(_bench_bare, "cell", "bench_bare")
 
 
 def kernel_cells(
-    n: int, cells: int, pairs: int, later_s: float = INSIDE_LATER_S
+    n: int,
+    cells: int,
+    pairs: int,
+    later_s: float = INSIDE_LATER_S,
+    paced: int = 0,
+    pause_s: float = PAUSE_S,
 ) -> dict[str, float]:
-    """Medians of `pairs` interleaved no-op cells, each after the kernel's own (`own`): `%%ranks`
-    (`ranks`), `%%bench_nothing` (`magic`: a cell magic that does nothing, `NOTHING_SETUP`),
-    `%%bench_bare` (`bare`: the same request to the same ranks with none of the kernel's
-    machinery, `BARE_SETUP`) and `%%bench_echo` (`echo`: a round trip to `n` plain echo
-    processes, `bench_others.EchoGroup`); `bare_trips` and `echo_trips` count the round trips
-    their magics made, `magic_calls` the calls of the one that does nothing; `lab.run` inside a
-    cell (`_inside_cells`); CPU per cell (`_cpu_per_cell`); the kernel's RSS growth over
-    `cells` `%%ranks` cells, in MB."""
+    """Medians of `pairs` interleaved pairs of the kernel's own no-op cell (`own`) and a no-op
+    `%%ranks` cell (`ranks`), back to back: the target's figure. With a pause of `pause_s`
+    before every cell, `paced` pairs of each of these, in turn: a kernel no-op and `%%ranks`
+    (`paced_own`, `paced_ranks`), and a kernel no-op and `%%bench_echo` (`paced_echo_own`,
+    `paced_echo`). In one rotation of `pairs` rounds, each after a kernel no-op (`rot_own`):
+    `%%ranks` (`rot_ranks`), `%%bench_nothing` (`magic`: a cell magic that does nothing,
+    `NOTHING_SETUP`), `%%bench_bare` (`bare`: the same request to the same ranks with none of
+    the kernel's machinery, `BARE_SETUP`) and `%%bench_echo` (`echo`: a round trip to `n` plain
+    echo processes, `bench_others.EchoGroup`). `bare_trips` and `echo_trips` count the round
+    trips their magics made, `magic_calls` the calls of the one that does nothing; `lab.run`
+    inside a cell (`_inside_cells`); CPU per cell (`_cpu_per_cell`); the kernel's RSS growth
+    over `cells` `%%ranks` cells, in MB."""
     from jupyter_client.manager import start_new_kernel
 
     km, kc = start_new_kernel(kernel_name="python3")
@@ -108,6 +126,10 @@ def kernel_cells(
                 raise RuntimeError(f"cell failed: {code!r}: {reply['content']}")
             return time.perf_counter() - t0
 
+        def after_pause(code: str) -> float:
+            time.sleep(pause_s)
+            return run(code)
+
         run("%load_ext labkit")
         run(f"%lab start {n} --device cpu")
         run("lab.server.wait_warm()")
@@ -119,9 +141,26 @@ def kernel_cells(
             for kind in kinds:
                 run("pass")
                 run(f"{kind}\npass")
-        timed = [[(run("pass"), run(f"{kind}\npass")) for kind in kinds] for _ in range(pairs)]
-        own = statistics.median(p[0] for group in timed for p in group)
-        ranks, bare, echo, magic = (statistics.median(g[i][1] for g in timed) for i in range(4))
+        timed = [(run("pass"), run("%%ranks\npass")) for _ in range(pairs)]
+        own, ranks = (statistics.median(p[i] for p in timed) for i in range(2))
+        rotation = [[(run("pass"), run(f"{kind}\npass")) for kind in kinds] for _ in range(pairs)]
+        rot_own = statistics.median(p[0] for group in rotation for p in group)
+        rot_ranks, bare, echo, magic = (
+            statistics.median(g[i][1] for g in rotation) for i in range(4)
+        )
+        slow = [
+            [
+                (after_pause("pass"), after_pause(f"{kind}\npass"))
+                for kind in ("%%ranks", "%%bench_echo")
+            ]
+            for _ in range(paced)
+        ]
+        paced_out = {}
+        if paced:
+            names = (("paced_own", "paced_ranks"), ("paced_echo_own", "paced_echo"))
+            for i, pair in enumerate(names):
+                for j, name in enumerate(pair):
+                    paced_out[name] = statistics.median(g[i][j] for g in slow)
         trips = _ask(
             kc,
             echo="_bench_echo.trips",
@@ -140,6 +179,9 @@ def kernel_cells(
         return {
             "own": own,
             "ranks": ranks,
+            "rot_own": rot_own,
+            "rot_ranks": rot_ranks,
+            **paced_out,
             "echo": echo,
             "bare": bare,
             "magic": magic,
