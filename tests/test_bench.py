@@ -79,3 +79,23 @@ def test_an_echo_group_round_trips_to_every_process_and_ends_them():
     # each left when told (not killed), and was waited for
     assert [p.returncode for p in group.procs] == [0, 0, 0]
     assert not os.path.exists(tmp)
+
+
+def test_gap_rows_and_split_read_each_cell_against_its_own_floor():
+    from labkit.tools.bench_kernel import gap_rows, split_text
+
+    # distinct figures (seconds), so a row read against the wrong floor shows
+    k = dict(paced_own=0.0060, paced_ranks=0.0075, paced_echo_own=0.0061, paced_echo=0.0065)
+    k.update(rot_own=0.0050, rot_ranks=0.0063, magic=0.0052, echo=0.0057, bare=0.0060)
+    rows = {r[0]: r[1:] for r in gap_rows(k, 4)}
+    assert rows["the same, 100 ms pause before each cell"][2] == "+1.50 ms"
+    assert rows["no-op cell on 4 echo procs, paced so"][1:3] == ("6.1 ms kernel no-op", "+0.40 ms")
+    assert rows["no-op %%ranks cell, in the rotation:"][2] == "+1.30 ms"
+    assert rows["- cell magic that does nothing"][2] == "+0.20 ms"
+    assert rows["- cell magic: echo from 4 plain procs"][2] == "+0.70 ms"
+    assert rows["- cell magic: bare loop to the ranks"][2] == "+1.00 ms"
+    # the split's four parts, each over the cell before it, add up to the rotation's gap
+    text = split_text(k, 4)
+    for part in ("gap, +1.30 ms", "any cell magic +0.20 ms", "back +0.50 ms", "signing +0.30 ms"):
+        assert part in text, text
+    assert "machinery +0.30 ms" in text, text

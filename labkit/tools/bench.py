@@ -68,7 +68,7 @@ import time
 from typing import Any
 
 from labkit.tools import bench_others
-from labkit.tools.bench_kernel import INSIDE_LATER_S, PAUSE_S, kernel_cells
+from labkit.tools.bench_kernel import INSIDE_LATER_S, gap_rows, kernel_cells, split_text
 from labkit.tools.bench_labkit import (
     IDLE_S,
     cold_start,
@@ -151,9 +151,6 @@ def main(argv: list[str] | None = None) -> int:
     res.update(traced)
     res["load_after"] = os.getloadavg()
 
-    def ms(seconds: float) -> str:
-        return f"{seconds * 1e3:+.2f} ms"
-
     def other(key: str) -> str:
         return _ms(ipp[key]) if ipp else "-"
 
@@ -165,58 +162,11 @@ def main(argv: list[str] | None = None) -> int:
             "no-op %%ranks cell (kernel)",
             _ms(k["ranks"]),
             f"{_ms(k['own'])} kernel no-op",
-            f"+{extra:.2f} ms",
+            f"{extra:+.2f} ms",
             other("noop_s"),
             "+1 ms",
         ),
-        (
-            f"the same, {PAUSE_S * 1e3:.0f} ms pause before each cell",
-            _ms(k["paced_ranks"]),
-            f"{_ms(k['paced_own'])} kernel no-op",
-            f"{(k['paced_ranks'] - k['paced_own']) * 1e3:+.2f} ms",
-            "-",
-            "-",
-        ),
-        (
-            f"no-op cell on {n} echo procs, paced so",
-            _ms(k["paced_echo"]),
-            f"{_ms(k['paced_echo_own'])} kernel no-op",
-            f"{(k['paced_echo'] - k['paced_echo_own']) * 1e3:+.2f} ms",
-            "-",
-            "-",
-        ),
-        (
-            "no-op %%ranks cell, in the rotation:",
-            _ms(k["rot_ranks"]),
-            f"{_ms(k['rot_own'])} kernel no-op",
-            f"{(k['rot_ranks'] - k['rot_own']) * 1e3:+.2f} ms",
-            "-",
-            "-",
-        ),
-        (
-            "- cell magic that does nothing",
-            _ms(k["magic"]),
-            f"{_ms(k['rot_own'])} kernel no-op",
-            f"{(k['magic'] - k['rot_own']) * 1e3:+.2f} ms",
-            "-",
-            "-",
-        ),
-        (
-            f"- cell magic: echo from {n} plain procs",
-            _ms(k["echo"]),
-            f"{_ms(k['rot_own'])} kernel no-op",
-            f"{(k['echo'] - k['rot_own']) * 1e3:+.2f} ms",
-            "-",
-            "-",
-        ),
-        (
-            "- cell magic: bare loop to the ranks",
-            _ms(k["bare"]),
-            f"{_ms(k['rot_own'])} kernel no-op",
-            f"{(k['bare'] - k['rot_own']) * 1e3:+.2f} ms",
-            "-",
-            "-",
-        ),
+        *gap_rows(k, n),
         (
             "no-op lab.run after 20 ms idle",
             _ms(main_n["noop_idle_s"]),
@@ -315,15 +265,7 @@ def main(argv: list[str] | None = None) -> int:
         f"traced against untraced on {n} ranks: half of the untraced ops against the other half "
         f"differ by {traced['noise'] * 100:+.1f} % in this run (the comparison's noise)"
     )
-    print(
-        f"in the rotation (5 other cells before each %%ranks cell there, against 1 in the "
-        f"pairs), the no-op %%ranks cell's gap, {ms(k['rot_ranks'] - k['rot_own'])}: IPython's "
-        f"path for any cell magic {ms(k['magic'] - k['rot_own'])} (the magic that does "
-        f"nothing), reaching {n} processes and back {ms(k['echo'] - k['magic'])} (the echo cell "
-        f"over it), the ranks' work and the signing {ms(k['bare'] - k['echo'])} (the bare cell "
-        f"over the echo), the kernel's machinery {ms(k['rot_ranks'] - k['bare'])} (%%ranks over "
-        "the bare cell)"
-    )
+    print(split_text(k, n))
     print(
         f"CPU per no-op cell, all threads: the kernel process {_ms(k['cpu_own_s'])} for its own, "
         f"{_ms(k['cpu_cell_s'])} for a %%ranks cell, and the {n} ranks together "

@@ -197,6 +197,40 @@ def kernel_cells(
         km.shutdown_kernel(now=True)
 
 
+def gap_rows(k: dict[str, float], n: int) -> list[tuple[str, ...]]:
+    """The benchmark's rows beside the target's, from `kernel_cells`' figures `k` on `n` ranks:
+    the paced pairs, then the rotation (metric, labkit, floor, vs floor, -, -)."""
+    rows = []
+    for label, key, own in (
+        (f"the same, {PAUSE_S * 1e3:.0f} ms pause before each cell", "paced_ranks", "paced_own"),
+        (f"no-op cell on {n} echo procs, paced so", "paced_echo", "paced_echo_own"),
+        ("no-op %%ranks cell, in the rotation:", "rot_ranks", "rot_own"),
+        ("- cell magic that does nothing", "magic", "rot_own"),
+        (f"- cell magic: echo from {n} plain procs", "echo", "rot_own"),
+        ("- cell magic: bare loop to the ranks", "bare", "rot_own"),
+    ):
+        floor = f"{k[own] * 1e3:.1f} ms kernel no-op"
+        rows.append((label, f"{k[key] * 1e3:.1f} ms", floor, _signed(k[key] - k[own]), "-", "-"))
+    return rows
+
+
+def split_text(k: dict[str, float], n: int) -> str:
+    """Where the rotation's `%%ranks` gap goes, in words, from `kernel_cells`' figures `k`."""
+    return (
+        "in the rotation (5 other cells before each %%ranks cell there, against 1 in the pairs), "
+        f"the no-op %%ranks cell's gap, {_signed(k['rot_ranks'] - k['rot_own'])}: IPython's path "
+        f"for any cell magic {_signed(k['magic'] - k['rot_own'])} (the magic that does nothing), "
+        f"reaching {n} processes and back {_signed(k['echo'] - k['magic'])} (the echo cell over "
+        f"it), the ranks' work and the signing {_signed(k['bare'] - k['echo'])} (the bare cell "
+        f"over the echo), the kernel's machinery {_signed(k['rot_ranks'] - k['bare'])} (%%ranks "
+        "over the bare cell)"
+    )
+
+
+def _signed(seconds: float) -> str:
+    return f"{seconds * 1e3:+.2f} ms"
+
+
 def _ask(kc: Any, **expressions: str) -> dict[str, Any]:
     """The values of Python `expressions` in the kernel (each a literal)."""
     reply = kc.execute_interactive(
