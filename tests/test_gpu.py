@@ -99,3 +99,35 @@ def test_teaching_code_runs_on_the_gpu_and_matches_one_process() -> None:
         assert max(errors.values()) < 1e-4, errors  # TF32 off by default; reduction order differs
     finally:
         lab.stop()
+
+
+@pytest.mark.timeout(180)
+def test_zero1_steps_on_the_gpu_as_one_process_adam_does() -> None:
+    import labkit
+
+    n = min(_gpus(), 2)
+    lab = labkit.Lab(n, device="cuda")
+    try:
+
+        def body(device: torch.device) -> tuple[float, str]:
+            from torch import nn
+
+            from labkit.parallel.zero_redundancy import Zero1Optimizer
+
+            torch.manual_seed(0)  # the same model and batch on every rank: the mean gradient
+            model, ref = nn.Linear(8, 4).to(device), nn.Linear(8, 4).to(device)
+            ref.load_state_dict(model.state_dict())
+            x = torch.randn(16, 8, device=device)
+            opt = Zero1Optimizer(model.parameters(), torch.optim.Adam, lr=0.1)
+            model(x).pow(2).mean().backward()
+            opt.step()  # reduce_scatter on the GPU, Adam on this rank's slice, all_gather
+            ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1)
+            ref(x).pow(2).mean().backward()
+            ref_opt.step()
+            pairs = zip(model.parameters(), ref.parameters())
+            return max((a - b).abs().max().item() for a, b in pairs), model.weight.device.type
+
+        results = lab.run(body, display=False).values_by_rank
+        assert all(err < 1e-5 and kind == "cuda" for err, kind in results.values()), results
+    finally:
+        lab.stop()

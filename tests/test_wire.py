@@ -285,3 +285,28 @@ def test_the_stop_board_is_private_never_goes_back_and_is_read_only_on_a_rank(tm
     finally:
         rank.close()
         kernel.close()
+
+
+@pytest.mark.parametrize(
+    ("world_size", "device", "facts"),
+    [
+        (2, "auto", {"gpus": 2, "nccl": True}),  # a GPU per rank: NCCL for CUDA, gloo for CPU
+        (2, "cuda", {"gpus": 4, "nccl": True}),
+        (4, "auto", {"gpus": 1, "nccl": True}),  # more ranks than GPUs: gloo on the CPU
+        (4, "cuda", {"gpus": 1, "nccl": True}),  # ... or gloo on the shared GPU, as asked
+        (2, "auto", {"gpus": 0}),
+    ],
+)
+def test_every_backend_the_policy_chooses_starts_a_rank(world_size, device, facts):
+    from labkit.kernel.policy import choose
+
+    choice = choose(world_size, "auto", device, facts)
+    cfg = config(
+        world_size=world_size,
+        rank=0,
+        local_rank=0,
+        local_world_size=world_size,
+        backend=choice.backend,
+        device=choice.device,
+    )
+    assert RankConfig.from_wire(cfg.to_wire()) == cfg  # and it survives the fork server's line

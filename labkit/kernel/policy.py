@@ -19,6 +19,8 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from labkit.wire.config import MIXED
+
 BACKENDS = ("auto", "gloo", "nccl")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -116,9 +118,6 @@ def choose(
     return Choice(
         world_size, backend, device, gpus, _reason(world_size, local, backend, device, gpus, facts)
     )
-
-
-MIXED = "cpu:gloo,cuda:nccl"  # NCCL for CUDA tensors, gloo for CPU tensors and objects
 
 
 def _reason(

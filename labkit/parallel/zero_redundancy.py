@@ -156,7 +156,7 @@ class Zero1Optimizer:
             if p.grad is not None:
                 flat_grad[offset : offset + p.numel()].copy_(p.grad.reshape(-1))
             offset += p.numel()
-        shard_grad = torch.empty(self.shard_size, dtype=self.flat.dtype)
+        shard_grad = torch.empty(self.shard_size, dtype=self.flat.dtype, device=self.flat.device)
         dist.reduce_scatter(shard_grad, list(flat_grad.chunk(self.world_size)), group=self.group)
         self.shard.grad = shard_grad.div_(self.world_size)
         self.optimizer.step()

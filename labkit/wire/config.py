@@ -13,7 +13,9 @@ import os
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-BACKENDS = ("gloo", "nccl")  # resolved: the kernel or the torchrun rank has replaced "auto"
+# NCCL for CUDA tensors, gloo for CPU tensors and objects: the policy's choice with a GPU per rank
+MIXED = "cpu:gloo,cuda:nccl"
+BACKENDS = ("gloo", "nccl", MIXED)  # resolved: the kernel or the torchrun rank replaced "auto"
 DEVICES = ("cpu", "cuda")
 ENDPOINT_SCHEMES = ("unix://", "ipc://", "tcp://")
 MIN_KEY_BYTES = 16
