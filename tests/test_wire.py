@@ -91,7 +91,7 @@ def test_rank_config_round_trips_through_the_wire_and_json(cfg):
         ({"ctrl": "/tmp/ctrl"}, r"ctrl must be an endpoint .*unix://, ipc://, tcp://.*'/tmp/ctrl'"),
         ({"key": b"short"}, r"key must be at least 16 bytes, got 5 bytes"),
         ({"key": "00" * 32}, r"key must be at least 16 bytes, got '00"),
-        ({"backend": "auto"}, r"backend must be one of gloo, nccl, got 'auto'"),
+        ({"backend": "auto"}, r"backend must be one of gloo, nccl, cpu:gloo,cuda:nccl, got 'auto'"),
         ({"device": "tpu"}, r"device must be one of cpu, cuda, got 'tpu'"),
         ({"log_dir": ""}, r"log_dir must be a directory path or None, got ''"),
         ({"master_addr": ""}, r"master_addr must be a host name or address, got ''"),
