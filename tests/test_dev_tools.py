@@ -67,3 +67,22 @@ def test_wake_probe_times_both_ways_of_waking():
     # a round trip to a process woken after 20 ms of quiet: more than the 20 ms sleep is not it
     # (the timer starts after the sleep), and a wake-up takes some microseconds at least
     assert all(1 <= int(us) < 20_000 for row in rows for us in row), rows
+
+
+@pytest.mark.timeout(120)
+def test_gpu_notebooks_refuses_a_machine_without_a_gpu(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: the script would run the notebook")
+    log = tmp_path / "errors.txt"
+    nb = os.path.join(ROOT, "notebooks", "00_start.ipynb")
+    script = os.path.join(ROOT, "scripts", "gpu_notebooks.py")
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, script, str(log), nb], capture_output=True, text=True, env=env, timeout=100
+    )
+    # the same refusal as `labkit check --device cuda`, before any kernel starts
+    assert proc.returncode == 2, proc
+    assert "--device cuda: torch" in proc.stdout and "sees no GPU" in proc.stdout, proc.stdout
+    assert not log.exists()
