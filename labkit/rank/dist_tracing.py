@@ -11,6 +11,9 @@ Each call is recorded under the name the user called, torch 2.13's `all_gather_s
 `reduce_scatter_single` as well as their deprecated forms `all_gather_into_tensor` /
 `reduce_scatter_tensor` (which call the new ones: one call, one record);
 `labkit.views.bandwidth.canonical_op` folds them into `all_gather` / `reduce_scatter`.
+
+Point-to-point calls first pass `labkit.rank.gloo_guard`, tracing on or off: a CUDA tensor over
+gloo is refused with a message instead of crashing the rank.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import threading
 import time
 from typing import Any
 
+from labkit.rank.gloo_guard import P2P, refuse_cuda_over_gloo
 from labkit.rank.trace_state import (
     STATE,
     add_record,
@@ -65,6 +69,10 @@ def _wrap(op: str, fn: Any) -> Any:
 
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
+        if op in P2P:  # tensor first, group third, in each of them
+            tensor = args[0] if args else kwargs.get("tensor")
+            group = args[2] if len(args) > 2 else kwargs.get("group")
+            refuse_cuda_over_gloo(op, tensor, group)
         if not STATE.enabled:
             return fn(*args, **kwargs)
         main = threading.get_ident() == STATE.main  # DDP's hooks may run on autograd threads
