@@ -26,7 +26,6 @@ PY
 cat "$OUT/env.txt"
 ls notebooks/*.ipynb > /tmp/nbs
 timeout 240 python3 -m pytest -m gpu tests/test_gpu.py -q -p no:cacheprovider -rA > "$OUT/gpu_tests.txt" 2>&1 &
-T=$!
 for i in 0 1 2; do
   timeout "${NB_S:-330}" python3 scripts/gpu_notebooks.py "$OUT/nb_errors$i.txt" $(awk "NR%3==$i" /tmp/nbs) > "$OUT/nb$i.txt" 2>&1 &
 done

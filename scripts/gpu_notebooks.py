@@ -1,9 +1,13 @@
-"""The notebooks as `labkit check --device cuda` runs them (the same nbclient call), keeping each
-failure's traceback: python gpu_check.py LOG NOTEBOOK..."""
+"""The notebooks as `labkit check --device cuda` runs them (`labkit.tools.cli.execute_notebook`,
+150 s a cell), printing one line per notebook and keeping each failure's traceback in LOG (a
+developers' tool, for a GPU machine lent for minutes: `scripts/gpu_check_remote.sh` runs three
+of these at once).
+
+    python scripts/gpu_notebooks.py LOG NOTEBOOK...
+"""
 
 import os
 import sys
-import time
 
 from labkit.tools import cli
 
@@ -12,28 +16,13 @@ problem = cli.gpu_problem("cuda")
 if problem:
     print(problem, flush=True)
     sys.exit(2)
-import nbformat  # noqa: E402
-from nbclient import NotebookClient  # noqa: E402
 
-log = open(sys.argv[1], "w")
-for path in sys.argv[2:]:
-    nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(
-        nb,
-        timeout=150,
-        kernel_name="python3",
-        resources={"metadata": {"path": os.path.dirname(path)}},
-    )
-    t0 = time.perf_counter()
-    try:
-        client.execute()
-        ok, err = True, ""
-    except Exception as exc:  # noqa: BLE001
-        ok, err = False, f"{type(exc).__name__}: {exc}"
-    dt = time.perf_counter() - t0
-    lines = [ln for ln in err.splitlines() if ln.strip()]
-    last = lines[-1][:200] if lines else ""
-    print(f"{os.path.basename(path)}  {'pass' if ok else 'FAIL'}  {dt:6.1f} s  {last}", flush=True)
-    if not ok:
-        log.write(f"===== {path} ({dt:.1f} s)\n" + "\n".join(lines[-80:]) + "\n")
-        log.flush()
+with open(sys.argv[1], "w") as log:
+    for path in sys.argv[2:]:
+        ok, seconds, summary, details = cli.execute_notebook(path, timeout=150)
+        verdict = "pass" if ok else "FAIL"
+        print(f"{os.path.basename(path)}  {verdict}  {seconds:6.1f} s  {summary[:200]}", flush=True)
+        if not ok:
+            lines = [ln for ln in details.splitlines() if ln.strip()]
+            log.write(f"===== {path} ({seconds:.1f} s)\n" + "\n".join(lines[-80:]) + "\n")
+            log.flush()

@@ -148,19 +148,21 @@ def kernel_cells(
         rot_ranks, bare, echo, magic = (
             statistics.median(g[i][1] for g in rotation) for i in range(4)
         )
-        slow = [
-            [
-                (after_pause("pass"), after_pause(f"{kind}\npass"))
-                for kind in ("%%ranks", "%%bench_echo")
-            ]
-            for _ in range(paced)
-        ]
         paced_out = {}
         if paced:
-            names = (("paced_own", "paced_ranks"), ("paced_echo_own", "paced_echo"))
-            for i, pair in enumerate(names):
-                for j, name in enumerate(pair):
-                    paced_out[name] = statistics.median(g[i][j] for g in slow)
+            slow = [
+                [
+                    (after_pause("pass"), after_pause(f"{kind}\npass"))
+                    for kind in ("%%ranks", "%%bench_echo")
+                ]
+                for _ in range(paced)
+            ]
+            paced_out = {
+                "paced_own": statistics.median(g[0][0] for g in slow),
+                "paced_ranks": statistics.median(g[0][1] for g in slow),
+                "paced_echo_own": statistics.median(g[1][0] for g in slow),
+                "paced_echo": statistics.median(g[1][1] for g in slow),
+            }
         trips = _ask(
             kc,
             echo="_bench_echo.trips",

@@ -34,6 +34,11 @@ def cmd_lab(args: argparse.Namespace) -> int:
 
 def run_notebook(path: str, timeout: int = 600) -> tuple[bool, float, str]:
     """Execute a notebook top to bottom in a fresh kernel; (ok, seconds, error summary)."""
+    return execute_notebook(path, timeout)[:3]
+
+
+def execute_notebook(path: str, timeout: int = 600) -> tuple[bool, float, str, str]:
+    """`run_notebook`, and the whole error besides its summary (a failed cell's traceback)."""
     import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
@@ -48,12 +53,14 @@ def run_notebook(path: str, timeout: int = 600) -> tuple[bool, float, str]:
     t0 = time.perf_counter()
     try:
         client.execute()
-        return True, time.perf_counter() - t0, ""
+        return True, time.perf_counter() - t0, "", ""
     except CellExecutionError as exc:
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]
-        return False, time.perf_counter() - t0, lines[-1] if lines else "cell failed"
+        summary = lines[-1] if lines else "cell failed"
+        return False, time.perf_counter() - t0, summary, str(exc)
     except Exception as exc:  # noqa: BLE001 - a timeout or a dead kernel is a failed check
-        return False, time.perf_counter() - t0, f"{type(exc).__name__}: {exc}"
+        error = f"{type(exc).__name__}: {exc}"
+        return False, time.perf_counter() - t0, error, error
 
 
 def gpu_problem(device: str) -> str | None:
