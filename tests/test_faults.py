@@ -114,12 +114,15 @@ def test_mismatched_collectives_are_named(lab, what, code):
 )
 def test_rank_dies_mid_collective(lab, how, code, match):
     # rank 2 prints, then dies at once while ranks 0, 1, 3 wait in all_reduce
-    cell = f"import os, signal\nt = torch.ones(1)\n{PRINT}if rank == 2:\n    {code}\n"
+    # and, last, a line without a newline: one the notebook holds back for a quiet period
+    partial = "sys.stdout.write(f'partial-no-newline-{rank}')\nsys.stdout.flush()\n"
+    cell = f"import os, signal, sys\nt = torch.ones(1)\n{PRINT}{partial}if rank == 2:\n    {code}\n"
     with expect_fault(lab, "rank 2 died (") as info:
         lab.run(cell + "dist.all_reduce(t)")
     assert match in str(info.value)
-    assert "before-fault 2" in log_of(lab, 2)  # drained from its pipe after it died
-    assert "before-fault 2" in str(info.value)  # and shown as its last output
+    for words in ("before-fault 2", "partial-no-newline-2"):
+        assert words in log_of(lab, 2)  # logged, or drained from its pipe after it died
+        assert words in str(info.value)  # and shown as its last output
     from labkit.kernel.magics import read_log
 
     assert "before-fault 2" in read_log(lab.log_dir, 2, lab.world_size, 50)  # %lab logs 2

@@ -127,9 +127,10 @@ class ForkServer:
                 if not self.alive() or time.monotonic() > deadline:
                     done = sum((gen, r) in self.spawned for r in ranks)
                     why = "it exited" if not self.alive() else f"not all in {timeout:.0f} s"
+                    tail = self.read_log().strip() if not self.alive() else ""
                     raise RuntimeError(
                         f"the labkit fork server forked {done} of {len(ranks)} ranks ({why}); "
-                        f"its log: {self.log_path}"
+                        f"its log: {self.log_path}" + (f", which ends:\n{tail}" if tail else "")
                     )
                 self.cond.wait(0.05)
             return {r: self.spawned[(gen, r)] for r in ranks}

@@ -2,10 +2,14 @@
 
 File descriptors 1 and 2 are replaced by pipes, so everything the process writes is caught:
 Python's print, C++ logs from gloo/NCCL, warnings, subprocesses. One reader thread per pipe
-splits the bytes into whole lines (a `\\r` counts as a line end, for progress bars), forwards
-them with `send(name, text)`, and appends the raw bytes to the rank's log file, which survives
-a crash. A partial line is forwarded after a short quiet period, so a prompt without a newline
-still shows.
+appends the raw bytes to the rank's log file the moment it has read them, then splits them
+into whole lines (a `\\r` counts as a line end, for progress bars) and forwards them with
+`send(name, text)`. A partial line is forwarded after a short quiet period, so a prompt without
+a newline still shows. The log is written first because the rank may die at any moment: bytes
+still in a pipe are drained into the log by the fork server, which outlives the rank
+(labkit.rank.fork_server), and bytes already read are in the log, so a partial line written
+just before a SIGKILL, a segfault or `os._exit` is never lost (the kernel shows the log's tail
+as the dead rank's last output).
 
 `flush()` is the barrier the worker uses at the end of a cell: it writes a marker through each
 pipe and waits until the reader has forwarded everything written before it.
@@ -16,6 +20,8 @@ from __future__ import annotations
 import codecs
 import os
 import select
+import socket
+import stat
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -28,6 +34,14 @@ CHUNK = 64 * 1024
 QUIET = 0.05  # seconds before a partial line is forwarded
 
 
+def _marker_prefix_len(buf: bytes) -> int:
+    """Length of the longest tail of `buf` that could begin a marker."""
+    for n in range(min(len(buf), len(MARKER) - 1), 0, -1):
+        if MARKER.startswith(buf[-n:]):
+            return n
+    return 0
+
+
 class _Reader(threading.Thread):
     def __init__(self, name: str, fd: int, send: Callable[[str, str], None], log: BinaryIO | None):
         super().__init__(name=f"labkit-{name}", daemon=True)
@@ -36,16 +50,29 @@ class _Reader(threading.Thread):
         self.send = send
         self.log = log
         self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        # the fork server's stdout/stderr are socket pairs, so bytes can be logged before
+        # they are taken (see `_read`); the sockets this process makes itself are pipes
+        self.sock = socket.socket(fileno=fd) if stat.S_ISSOCK(os.fstat(fd).st_mode) else None
         self.pending = b""
+        self.log_held = b""  # the start of a marker, maybe, held back from the log
         self.flushed = threading.Semaphore(0)
         self.busy = False  # between a select() that woke and the bytes being forwarded
+
+    def _log_raw(self, data: bytes) -> None:
+        """Append what was just read to the log at once, markers left out."""
+        if self.log is None:
+            return
+        buf = (self.log_held + data).replace(MARKER, b"")
+        keep = _marker_prefix_len(buf) if data else 0  # at the end of the pipe: all of it
+        self.log_held = buf[len(buf) - keep :] if keep else b""
+        out = buf[: len(buf) - keep]
+        if out:
+            self.log.write(out)
+            self.log.flush()
 
     def _emit(self, data: bytes) -> None:
         if not data:
             return
-        if self.log is not None:
-            self.log.write(data)
-            self.log.flush()
         text = self.decoder.decode(data)
         for i in range(0, len(text), CHUNK):
             self.send(self.stream_name, text[i : i + CHUNK])
@@ -66,16 +93,30 @@ class _Reader(threading.Thread):
 
     def _marker_prefix_len(self) -> int:
         """Length of the longest tail of `pending` that could begin a marker."""
-        for n in range(min(len(self.pending), len(MARKER) - 1), 0, -1):
-            if MARKER.startswith(self.pending[-n:]):
-                return n
-        return 0
+        return _marker_prefix_len(self.pending)
 
     def _emit_pending(self) -> None:
         keep = self._marker_prefix_len()
         cut = len(self.pending) - keep
         self._emit(self.pending[:cut])
         self.pending = self.pending[cut:]
+
+    def _read(self) -> bytes:
+        """The next bytes, already in the log when this returns.
+
+        On the fork server's sockets the bytes are peeked, logged, and only then taken out of
+        the socket: a rank killed in between leaves them there for the server to drain, so
+        they may reach the log twice but never not at all. On a plain pipe (a rank nobody
+        outlives to drain it) they are read, then logged."""
+        if self.sock is None:
+            data = os.read(self.fd, CHUNK)
+            self._log_raw(data)
+            return data
+        data = self.sock.recv(CHUNK, socket.MSG_PEEK)
+        self._log_raw(data)
+        if data:
+            self.sock.recv(len(data))  # the same bytes: this thread is their only reader
+        return data
 
     def run(self) -> None:
         while True:
@@ -87,7 +128,7 @@ class _Reader(threading.Thread):
                     self._emit_pending()  # a partial line, quiet for a while: show it
                     continue
                 try:
-                    data = os.read(self.fd, CHUNK)
+                    data = self._read()
                 except BlockingIOError:
                     continue
                 if not data:

@@ -32,6 +32,7 @@ import os
 import select
 import shutil
 import signal
+import socket
 import sys
 import time
 
@@ -108,7 +109,7 @@ class Server:
         self.out.write(json.dumps(msg) + "\n")
 
     def spawn(self, cfg: RankConfig) -> None:
-        pipes = [os.pipe(), os.pipe()]  # stdout, stderr: (read, write)
+        pipes = [output_pipe(), output_pipe()]  # stdout, stderr: (read, write)
         cfg = dataclasses.replace(cfg, capture_fds=(pipes[0][0], pipes[1][0]))
         if cfg.shm_dir is not None:
             self.shm_dirs.add(cfg.shm_dir)
@@ -166,24 +167,7 @@ class Server:
     def drain(self, pid: int) -> None:
         """Append what a dead rank left unread in its pipes to its log, then close them."""
         fds, log = self.pipes.pop(pid, ([], None))
-        for fd in fds:
-            data = b""
-            try:
-                while len(data) < (64 << 20):
-                    chunk = os.read(fd, 1 << 16)
-                    if not chunk:
-                        break
-                    data += chunk
-            except (BlockingIOError, OSError):  # empty (a grandchild may still hold it open)
-                pass
-            os.close(fd)
-            data = data.replace(MARKER, b"")
-            if data and log:
-                try:
-                    with open(log, "ab") as f:
-                        f.write(data)
-                except OSError:
-                    pass
+        drain_into_log(fds, log)
 
     def kill(self, pids: list[int], sig: int) -> None:
         for pid in pids:
@@ -259,6 +243,37 @@ def warm_up() -> None:
         import torch.optim  # noqa: F401
     except Exception:  # noqa: BLE001 - an optional speed-up; ranks import it themselves if needed
         pass
+
+
+def output_pipe() -> tuple[int, int]:
+    """(read end, write end) for a rank's stdout or stderr: a Unix socket pair rather than a
+    pipe, so the rank's reader can log bytes before it takes them (labkit.rank.capture) and
+    whatever it has not taken when it dies is still there for `drain_into_log`."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return a.detach(), b.detach()
+
+
+def drain_into_log(fds: list[int], log: str | None) -> None:
+    """Read what is left in a dead rank's (non-blocking) pipes, append it to its log, and close
+    them. Runs in the process that outlives the rank: the fork server, or a test in its place."""
+    for fd in fds:
+        data = b""
+        try:
+            while len(data) < (64 << 20):
+                chunk = os.read(fd, 1 << 16)
+                if not chunk:
+                    break
+                data += chunk
+        except (BlockingIOError, OSError):  # empty (a grandchild may still hold it open)
+            pass
+        os.close(fd)
+        data = data.replace(MARKER, b"")
+        if data and log:
+            try:
+                with open(log, "ab") as f:
+                    f.write(data)
+            except OSError:
+                pass
 
 
 def main() -> None:
