@@ -23,6 +23,7 @@ import multiprocessing.resource_tracker
 import os
 import signal
 import sys
+import tempfile
 
 import pytest
 
@@ -44,6 +45,8 @@ from processes import (  # noqa: E402
     wait_gone,
 )
 
+from labkit.kernel import log_dirs  # noqa: E402
+
 __all__ = ["pid_alive"]
 
 ORPHAN_WAIT = 5.0  # seconds a test's processes get to exit after it ends
@@ -53,6 +56,12 @@ _reported: set[Key] = set()  # named once already (and ended)
 
 def pytest_configure(config: pytest.Config) -> None:
     become_subreaper()
+    # the labs' logs go to a directory of this run's, removed at its end (labkit.kernel.log_dirs)
+    if not os.environ.get(log_dirs.ENV):
+        os.environ[log_dirs.ENV] = _LOGS.name
+
+
+_LOGS = tempfile.TemporaryDirectory(prefix="labkit-test-logs-")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import atexit
 import os
-import tempfile
 import threading
 import time
 import weakref
@@ -32,6 +31,7 @@ from labkit.kernel.forked import ForkedRanks
 from labkit.kernel.lab_data import DataRequests
 from labkit.kernel.launcher import RankLauncher
 from labkit.kernel.live import ranks_info, status_report
+from labkit.kernel.log_dirs import new_log_dir
 from labkit.kernel.logs import read_tail
 from labkit.kernel.policy import BACKENDS, DEVICES, check_world_size, threads_per_rank
 from labkit.kernel.rank_spec import parse_ranks
@@ -86,7 +86,7 @@ class Lab(DataRequests):
         self.requested = (world_size, backend, device)
         self.timeout = timeout
         self.pg_timeout = pg_timeout
-        self.log_dir = log_dir or tempfile.mkdtemp(prefix="labkit-logs-")
+        self.log_dir = log_dir or new_log_dir()
         os.makedirs(self.log_dir, exist_ok=True)
         threads_per_rank(None, 1, threads)  # bad input raises here, before the channel exists
         self.channel = Channel(Codec(new_key()), self.log_dir, _listen)
