@@ -74,8 +74,9 @@ def main() -> int:
     rest = sys.argv[2:]
     ensure_env()
     os.chdir(ROOT)
-    if cmd == "lab":
-        return subprocess.call([PY, "-m", "labkit", "lab", *rest])
+    if cmd == "lab":  # become the lab, so Ctrl-C or a container's stop reaches Jupyter
+        sys.stdout.flush()
+        os.execv(PY, [PY, "-m", "labkit", "lab", *rest])
     if cmd == "test":
         ensure_test_packages()
         return subprocess.call([PY, "-m", "pytest", *rest])

@@ -5,31 +5,78 @@ from __future__ import annotations
 import argparse
 import glob
 import os
-import subprocess
 import sys
 import time
 from typing import Any
 
 
-def notebooks_dir() -> str:
-    """The curriculum: ./notebooks if present, else the one beside the package source."""
+def notebooks_dir() -> str | None:
+    """The curriculum: ./notebooks if present, else the one beside the package source (a
+    clone's, for an editable install); None when neither exists (labkit installed from a
+    wheel, run outside a clone: the notebooks are not part of the package)."""
     here = os.path.join(os.getcwd(), "notebooks")
     if os.path.isdir(here):
         return here
-    return os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+    beside = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "notebooks")
+    return beside if os.path.isdir(beside) else None
 
 
-def cmd_lab(args: argparse.Namespace) -> int:
+def lab_command(notebook_dir: str, extra: list[str], euid: int) -> tuple[list[str], list[str]]:
+    """(the `jupyter lab` command, notes to print) for `labkit lab`.
+
+    JupyterLab listens on loopback unless `extra` names another address (`--ip` or
+    `--ServerApp.ip`, which come after ours and win). Run as root (a container, a rented GPU
+    machine, a cloud notebook VM), Jupyter refuses to start without `--allow-root`: it is added,
+    with a note, unless `extra` says otherwise. A leading `--` before Jupyter's own arguments is
+    accepted and dropped."""
+    if extra[:1] == ["--"]:
+        extra = extra[1:]
+    notes = []
+    names = {arg.split("=", 1)[0] for arg in extra}
+    if euid == 0 and not names & {"--allow-root", "--ServerApp.allow_root", "--no-allow-root"}:
+        extra = ["--allow-root", *extra]
+        notes.append(
+            "running as root (as in a container): passing --allow-root to Jupyter; "
+            "run as another user to avoid it"
+        )
+    if names & {"--ip", "--ServerApp.ip"}:
+        notes.append(
+            "listening beyond loopback: anyone who can reach this port and has the token (in "
+            "the URL below) can run code as you; an SSH tunnel keeps it on loopback instead"
+        )
     cmd = [
         sys.executable,
         "-m",
-        "jupyter",
-        "lab",
-        f"--notebook-dir={args.dir or notebooks_dir()}",
+        "jupyterlab",
+        f"--notebook-dir={notebook_dir}",
         "--ServerApp.ip=127.0.0.1",
-        *args.extra,
+        *extra,
     ]
-    return subprocess.call(cmd)
+    return cmd, notes
+
+
+def cmd_lab(args: argparse.Namespace, extra: list[str]) -> int:
+    where = args.dir or notebooks_dir()
+    if where is None or not os.path.isdir(where):
+        print(
+            f"labkit lab: no notebooks folder {'at ' + where if where else 'here'}: pass "
+            "--dir PATH, or run it in a clone of labkit (its notebooks/ folder is the "
+            "curriculum; the installed package does not carry it)",
+            file=sys.stderr,
+        )
+        return 2
+    cmd, notes = lab_command(where, extra, os.geteuid())
+    for note in notes:
+        print(f"labkit lab: {note}", file=sys.stderr)
+    sys.stderr.flush()
+    return _exec(cmd)
+
+
+def _exec(cmd: list[str]) -> int:
+    """Become `cmd` (Jupyter), so a signal to this process (Ctrl-C, a container's stop) reaches
+    the server itself instead of leaving it behind."""
+    os.execv(cmd[0], cmd)
+    return 1  # not reached
 
 
 def run_notebook(path: str, timeout: int = 600) -> tuple[bool, float, str]:
@@ -78,7 +125,8 @@ def gpu_problem(device: str) -> str | None:
 
 
 def cmd_check(args: argparse.Namespace) -> int:
-    paths = args.notebooks or sorted(glob.glob(os.path.join(notebooks_dir(), "*.ipynb")))
+    where = notebooks_dir()
+    paths = args.notebooks or (sorted(glob.glob(os.path.join(where, "*.ipynb"))) if where else [])
     if not paths:
         print("no notebooks found", file=sys.stderr)
         return 2
@@ -137,9 +185,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="labkit", description=__doc__)
     sub = parser.add_subparsers(dest="cmd", required=True)
-    p = sub.add_parser("lab", help="open JupyterLab on the notebooks")
+    p = sub.add_parser(
+        "lab",
+        help="open JupyterLab on the notebooks",
+        description="Open JupyterLab on the notebooks, on 127.0.0.1. Every other argument is "
+        "passed on to `jupyter lab` (--no-browser, --port 9999, --allow-root, --ServerApp.*); "
+        "as root, --allow-root is added for you.",
+    )
     p.add_argument("--dir", help="the notebooks' folder (default: ./notebooks, else labkit's)")
-    p.add_argument("extra", nargs=argparse.REMAINDER, help="passed on to jupyter lab")
     p.set_defaults(fn=cmd_lab)
     p = sub.add_parser("check", help="run every notebook headless and print a pass/fail table")
     p.add_argument("notebooks", nargs="*", help="the notebooks to run (default: all)")
@@ -153,7 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser("doctor", help="torch, backends, GPUs and what Lab() would choose")
     p.set_defaults(fn=cmd_doctor)
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if args.fn is cmd_lab:  # Jupyter's own options go through
+        return cmd_lab(args, unknown)
+    if unknown:
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     return args.fn(args)
 
 
