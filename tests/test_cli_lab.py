@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -67,23 +68,47 @@ def _free_port() -> int:
 IN_DEV_VENV = os.path.realpath(sys.prefix) == os.path.realpath(os.path.join(ROOT, ".venv"))
 
 
+NOBODY = 65534
+
+
+def _others_can_run(path: str) -> bool:
+    """Whether a user who owns nothing here can execute `path` (every folder on its way open)."""
+    real = os.path.realpath(path)
+    folders = [real]
+    while os.path.dirname(folders[-1]) != folders[-1]:
+        folders.append(os.path.dirname(folders[-1]))
+    return all(os.stat(p).st_mode & 0o001 for p in folders)
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("how", ["labkit lab", "scripts/dev.py lab"])
-def test_the_lab_command_serves_and_ends_with_its_process(tmp_path, how):
-    """The README's first command, for real: JupyterLab answers on loopback (as root too, as in
-    CI and in containers, where Jupyter refuses to start without --allow-root), and SIGTERM to
-    the process we started ends the server (no server left behind: the orphan check)."""
+@pytest.mark.parametrize(
+    "how,user",
+    [("labkit lab", "this user"), ("scripts/dev.py lab", "this user"), ("labkit lab", "nobody")],
+)
+def test_the_lab_command_serves_and_ends_with_its_process(tmp_path, how, user):
+    """The README's first command, for real: JupyterLab answers on loopback, as root (CI and
+    containers, where Jupyter refuses to start without --allow-root) and as an ordinary user,
+    and SIGTERM to the process we started ends the server (the orphan check sees none left)."""
     if how.startswith("scripts") and not IN_DEV_VENV:
         pytest.skip("dev.py sets up and uses .venv beside the repository; this is not it")
+    as_user = []
+    if user == "nobody":
+        if os.geteuid() != 0 or not shutil.which("setpriv"):
+            pytest.skip("needs root and setpriv to run as another user")
+        os.chmod(tmp_path, 0o777)  # nobody's home and Jupyter's runtime folder, for this test
+        as_user = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+        if not _others_can_run(sys.executable):  # e.g. a Python under /root: let it search
+            as_user += ["--inh-caps=+dac_read_search", "--ambient-caps=+dac_read_search"]
     port, token = _free_port(), "labkit-test-token"
-    env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
+    env = dict(os.environ, HOME=str(tmp_path), JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
     head = (
         [sys.executable, "-m", "labkit"]
         if how == "labkit lab"
         else [sys.executable, os.path.join(ROOT, "scripts", "dev.py")]
     )
     proc = subprocess.Popen(
-        [*head, "lab", "--no-browser", f"--port={port}", f"--IdentityProvider.token={token}"],
+        [*as_user, *head, "lab", "--no-browser", f"--port={port}",
+         f"--IdentityProvider.token={token}"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
     try:
