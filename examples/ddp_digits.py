@@ -42,15 +42,26 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
+def choose_device(local_rank: int, local_world_size: int, gpus: int) -> tuple[str, str]:
+    """(device, backend) for this rank, by a rule every rank reaches alike: a GPU each (NCCL)
+    only when this host has one for every local rank, else all on the CPU (gloo). Deciding by
+    "is there a GPU for *my* local rank" would put rank 0 on cuda+nccl and rank 1 on cpu+gloo
+    on a 1-GPU machine, and the two would wait for each other in different backends forever."""
+    if gpus >= local_world_size:
+        return f"cuda:{local_rank}", "nccl"
+    return "cpu", "gloo"
+
+
 def setup() -> tuple[int, int, torch.device]:
     """Join the process group torchrun describes in the environment; returns rank, size, device."""
     local_rank = int(os.environ["LOCAL_RANK"])  # set by torchrun, like RANK and WORLD_SIZE
-    if torch.cuda.is_available() and torch.cuda.device_count() > local_rank:
-        device = torch.device("cuda", local_rank)
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    name, backend = choose_device(local_rank, local_world_size, gpus)
+    device = torch.device(name)
+    if device.type == "cuda":
         torch.cuda.set_device(device)
-        backend = "nccl"
     else:
-        device, backend = torch.device("cpu"), "gloo"
         torch.set_num_threads(1)  # several processes share the cores
     dist.init_process_group(backend)  # reads MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE
     return dist.get_rank(), dist.get_world_size(), device

@@ -43,3 +43,28 @@ def test_ddp_digits_under_torchrun_equals_one_process(tmp_path):
     assert state["extra"] == {"steps": 28}
     diff = max((state["model"][k] - v).abs().max().item() for k, v in ref.state_dict().items())
     assert diff < 1e-5
+
+
+def _example():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ddp_digits", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize(
+    "local_world_size,gpus,want",
+    [
+        (2, 1, ["cpu", "cpu"]),  # one GPU, two ranks: both on the CPU, never nccl beside gloo
+        (2, 2, ["cuda:0", "cuda:1"]),
+        (4, 8, ["cuda:0", "cuda:1", "cuda:2", "cuda:3"]),
+        (2, 0, ["cpu", "cpu"]),
+    ],
+)
+def test_every_rank_of_the_example_picks_the_same_backend(local_world_size, gpus, want):
+    choose = _example().choose_device
+    picks = [choose(r, local_world_size, gpus) for r in range(local_world_size)]
+    assert [device for device, _ in picks] == want
+    assert len({backend for _, backend in picks}) == 1  # the old rule gave nccl and gloo
