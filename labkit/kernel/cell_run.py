@@ -159,6 +159,7 @@ class CellRun:
                 pass
             raise
         finally:
+            self.channel.output.release(force=True)  # held lines are shown, whatever happened
             self.live.close()
             # each rank mapped them (and holds what it keeps): reuse or unlink them; else the
             # restart or stop sweeps them

@@ -230,7 +230,7 @@ class Channel(Admission, SideIO):
         replies = {} if replies is None else replies
         pending = set(pending) - set(replies)
         while pending:
-            if self._wait(100):
+            if self._wait(self.output.wait_ms(100)):
                 while (other := self._take(expect, msg_id, replies, pending)) is not None:
                     if on_other is not None:
                         on_other(other)
@@ -340,9 +340,11 @@ class Channel(Admission, SideIO):
                 self.output.show(rest[0])  # a `progress` goes to the call's bars
             elif kind == "exit":
                 rank, code = rest
+                self.output.release(force=True)  # its last lines before the report of its death
                 raise Stuck(self.death_text(rank, code), died=rank)
             elif kind == "rejected":
                 warnings.warn(f"labkit rejected a message: {rest[0]}", LabkitWarning, stacklevel=3)
+        self.output.release()  # a burst of lines, once it is due, in rank order
 
     def death_text(self, rank: int, code: int) -> str:
         how = (
@@ -364,8 +366,13 @@ class Channel(Admission, SideIO):
         the bound, `CATCH_UP_S`, is reached only on a starved machine, never on a quiet one.
         """
         deadline = time.monotonic() + CATCH_UP_S
-        while time.monotonic() < deadline:
-            self.drain_events()
-            if all(self._seen_seq.get(r, 0) >= m.get("stream_seq", 0) for r, m in replies.items()):
-                return
-            time.sleep(0.001)
+        try:
+            while time.monotonic() < deadline:
+                self.drain_events()
+                if all(
+                    self._seen_seq.get(r, 0) >= m.get("stream_seq", 0) for r, m in replies.items()
+                ):
+                    return
+                time.sleep(0.001)
+        finally:
+            self.output.release(force=True)  # the call's output is all here: show it now
