@@ -144,3 +144,13 @@ def test_cpu_records_have_no_device_track() -> None:
     assert "device time" not in [t.name for t in view.figures[0].data]
     assert view.device == {} and "on the device" not in view.to_html()
     assert list(view.figures[0].layout.yaxis.ticktext) == ["rank 0", "rank 1"]
+
+
+def test_the_widget_lists_every_call_in_a_folded_table() -> None:
+    view = show_timeline(_records())
+    assert view.calls.get_title(0) == "calls (4)" and view.calls.selected_index is None
+    table = view.calls.children[0].value
+    assert table.count("<tr>") == 4 + 1  # a row per call, and the header
+    for cell in ("all_reduce", "recv", "send", "4000", "300.000 ms"):
+        assert cell in table
+    assert "calls" in view.to_html()  # the text copy's table, as before

@@ -4,7 +4,8 @@
 is one row of a Gantt chart: compute spans (`labkit.span`) as wide blue bars, every
 `torch.distributed` call as a narrower bar coloured by op, and idle gaps as grey bars. Hovering a
 call shows op, seq, bytes, duration and bandwidth. Below it a table gives each rank's compute,
-communication and idle time over the common window [earliest start, latest end] of all ranks:
+communication and idle time over the common window [earliest start, latest end] of all ranks,
+and a folded table lists every call (rank, op, seq, bytes, duration):
 
     comm    = length of the union of the rank's comm intervals
     compute = length of the union of its spans, less the time also inside a comm call
@@ -228,6 +229,19 @@ def _summary_rows(
     return rows
 
 
+CALL_HEADERS = ("rank", "op", "seq", "bytes", "duration")
+MAX_CALL_ROWS = 500  # rows the widget's calls table shows (the text copy has them all)
+
+
+def _call_rows(records: list[Record]) -> list[list[Any]]:
+    """One row per collective or point-to-point call, in the trace's order."""
+    return [
+        [r.rank, r.op, r.seq, r.bytes, f"{r.duration * 1e3:.3f} ms"]
+        for r in records
+        if isinstance(r, CommRecord)
+    ]
+
+
 class TimelineView(View):
     """The widget `show_timeline` returns; `summary` holds `timeline_summary(records)`."""
 
@@ -248,6 +262,15 @@ class TimelineView(View):
             rows = _summary_rows(self.summary, self.device)
             table = html_table(self.headers, rows, "time per rank")
             children.append(widgets.HTML(table))
+            calls = _call_rows(records)
+            if calls:  # every call, as in the text copy; folded, as it can be long
+                shown = html_table(CALL_HEADERS, calls[:MAX_CALL_ROWS], "calls")
+                if len(calls) > MAX_CALL_ROWS:
+                    shown += f"<i>the first {MAX_CALL_ROWS} of {len(calls)} calls</i>"
+                self.calls = widgets.Accordion(children=[widgets.HTML(shown)])
+                self.calls.set_title(0, f"calls ({len(calls)})")
+                self.calls.selected_index = None
+                children.append(self.calls)
         else:
             children.append(widgets.HTML("<i>no trace records</i>"))
         self.children = tuple(children)
@@ -256,13 +279,9 @@ class TimelineView(View):
         parts = [warning_html(self.warning)] if self.warning else []
         rows = _summary_rows(self.summary, self.device)
         parts.append(html_table(self.headers, rows, "time per rank"))
-        calls = [
-            [r.rank, r.op, r.seq, r.bytes, f"{r.duration * 1e3:.3f} ms"]
-            for r in self.records
-            if isinstance(r, CommRecord)
-        ]
+        calls = _call_rows(self.records)
         if calls:
-            parts.append(html_table(("rank", "op", "seq", "bytes", "duration"), calls, "calls"))
+            parts.append(html_table(CALL_HEADERS, calls, "calls"))
         return "<div class='labkit-timeline'>" + "".join(parts) + "</div>"
 
 
