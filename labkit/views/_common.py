@@ -192,10 +192,11 @@ class View(widgets.VBox):
 def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: str = "") -> str:
     """A plain HTML table; every cell escaped."""
     cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
-    head = "".join(f"<th>{html.escape(str(h))}</th>" for h in headers)
+    th = "padding:2px 8px;text-align:left;border-bottom:1px solid #ccc;white-space:nowrap"
+    head = "".join(f"<th style='{th}'>{html.escape(str(h))}</th>" for h in headers)
     body = "".join(
         "<tr>"
-        + "".join(f"<td style='padding:1px 6px'>{html.escape(str(c))}</td>" for c in row)
+        + "".join(f"<td style='padding:1px 8px'>{html.escape(str(c))}</td>" for c in row)
         + "</tr>"
         for row in rows
     )
