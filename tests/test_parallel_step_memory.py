@@ -187,3 +187,24 @@ def test_bad_shapes_say_what_is_wrong():
         layer_activation_bytes(1, 2, 8, 4, 4, tp=3)
     with pytest.raises(ValueError, match="hidden=10 must be a multiple of heads=4"):
         Block(10, 4)
+
+
+def test_attention_and_sequence_parallel_options_by_hand():
+    # b=2, s=8, h=16, a=4, fp32: T·h = 256 elements, a·b·s² = 512, b·a·s = 64
+    eager = layer_activation_bytes(2, 8, 16, 4, 4)
+    assert eager == layer_activation_bytes(2, 8, 16, 4, 4, attention="eager")
+    assert eager["attention"] == 4 * (6 * 256 + 512)
+    sdpa = layer_activation_bytes(2, 8, 16, 4, 4, attention="sdpa")
+    assert sdpa["attention"] == 4 * 6 * 256 + 4 * 64 and sdpa["mlp"] == eager["mlp"]
+    # torch's SequenceParallel at tp=2: LN inputs and statistics halve, LN outputs stay whole
+    sp = layer_activation_bytes(2, 8, 16, 4, 4, tp=2, sequence_parallel=True)
+    assert sp["attention"] == 4 * (128 + 256 + (4 * 256 + 512) // 2)
+    assert sp["mlp"] == 4 * (128 + 256 + 8 * 256 // 2)
+    assert sp["layernorm"] == 2 * 2 * 4 * 16 // 2
+    assert layer_activation_bytes(2, 8, 16, 4, 4, tp=1, sequence_parallel=True) == eager
+    with pytest.raises(ValueError, match=r"must be one of \('eager', 'sdpa'\)"):
+        layer_activation_bytes(2, 8, 16, 4, 4, attention="flash")
+    with pytest.raises(ValueError, match="must be True or False"):
+        layer_activation_bytes(2, 8, 16, 4, 4, sequence_parallel="yes")
+    with pytest.raises(ValueError, match="tp=4 must divide it"):
+        layer_activation_bytes(2, 6, 16, 4, 4, tp=4, sequence_parallel=True)

@@ -54,6 +54,7 @@ __all__ = [
     "Block",
     "SavedBytes",
     "Stack",
+    "ATTENTION",
     "adam_state_bytes",
     "layer_activation_bytes",
     "layernorm_stats_size",
@@ -66,6 +67,10 @@ __all__ = [
 STATS_BYTES = 4  # LayerNorm keeps its mean and 1/std in fp32 whatever the input's dtype
 
 
+ATTENTION = ("eager", "sdpa")
+LSE_BYTES = 4  # SDPA keeps its log-sum-exp in fp32 whatever q's dtype (CPU and CUDA kernels)
+
+
 def layer_activation_bytes(
     batch: int,
     seq: int,
@@ -74,19 +79,45 @@ def layer_activation_bytes(
     element_size: int,
     tp: int = 1,
     stats_size: int = STATS_BYTES,
+    *,
+    attention: str = "eager",
+    sequence_parallel: bool = False,
 ) -> dict[str, int]:
     """Bytes one `Block` saves for backward (module doc), per part; `tp` ranks of Megatron TP.
 
+    attention="eager" keeps the a·b·s² softmax probabilities; "sdpa"
+    (`F.scaled_dot_product_attention`, FlashAttention) keeps no s² term: its output (which
+    is the output projection's input) and the log-sum-exp, b·a·s fp32 numbers.
+    sequence_parallel=True (torch's `SequenceParallel` on the LayerNorms, the q/k/v and fc1
+    inputs gathered once per sub-layer, the row-parallel outputs reduce-scattered) also
+    divides by `tp` what plain TP keeps whole: the LayerNorms' inputs (the residual stream)
+    and their statistics. The LayerNorms' outputs stay whole: the column-parallel linear
+    saves its all-gathered input (Megatron's own layers save the shard and all-gather it
+    again in backward, dividing those too).
+
     Keys: attention, mlp, layernorm (the statistics, `stats_size` bytes each), total.
     """
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: must be one of {ATTENTION}")
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r}: must be True or False")
     if tp < 1 or heads % tp or hidden % tp:
         raise ValueError(f"tp={tp} must be >= 1 and divide heads={heads} and hidden={hidden}")
+    if sequence_parallel and seq % tp:
+        raise ValueError(f"sequence_parallel shards seq={seq}: tp={tp} must divide it")
     tokens = batch * seq
     th = tokens * hidden
+    # per sub-layer: the LayerNorm's input (whole, or 1/tp of the sequence) and its output
+    # (whole either way: what the column-parallel linear saves)
+    ln = th // tp + th if sequence_parallel else 2 * th
+    if attention == "eager":  # q, k, v, the context and the probabilities, heads split
+        core = element_size * (4 * th + heads * batch * seq * seq) // tp
+    else:  # q, k, v, the output (= the context) and the log-sum-exp
+        core = (element_size * 4 * th + LSE_BYTES * batch * heads * seq) // tp
     out = {
-        "attention": element_size * (2 * th + (4 * th + heads * batch * seq * seq) // tp),
-        "mlp": element_size * (2 * th + 8 * th // tp),
-        "layernorm": 2 * 2 * stats_size * tokens,
+        "attention": element_size * ln + core,
+        "mlp": element_size * (ln + 8 * th // tp),
+        "layernorm": 2 * 2 * stats_size * tokens // (tp if sequence_parallel else 1),
     }
     out["total"] = sum(out.values())
     return out
