@@ -361,6 +361,22 @@ def test_recomputation_costs_one_more_forward_in_flops():
     assert flops[True] * 3 == flops[False] * 4
 
 
+def test_sdpa_block_computes_what_the_eager_block_computes():
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    outs, grads = [], []
+    for kind in ("eager", "sdpa"):
+        torch.manual_seed(0)  # the same weights: the modules are made in the same order
+        model = Stack(2, 32, 4, attention=kind)
+        outs.append(model(x))
+        outs[-1].square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match=r"attention='flash': must be one of"):
+        Stack(1, 32, 4, attention="flash")
+
+
 def test_tiled_attention_is_attention_without_the_s_by_s_matrix():
     from labkit.parallel.fused_attention import eager_attention, sdpa_ops, tiled_attention
 
