@@ -17,6 +17,7 @@ degree not divided by, everything divided by it, TP and PP forgotten, the shard 
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +39,7 @@ __all__ = [
 LAYER_CASES = ((2, 8, 16, 2), (1, 32, 16, 4), (4, 8, 32, 4), (3, 12, 24, 3))
 
 
+@functools.cache  # the bytes depend on the shapes alone: measure each shape once a process
 def _measured_layer_bytes(
     batch: int, seq: int, hidden: int, heads: int, attention: str = "eager"
 ) -> int:
