@@ -41,17 +41,32 @@ def layer_mlp_unexpanded(b, s, h, a, e):  # forgets the 4x of the MLP
     return e * (6 * t * h + a * b * s * s + 4 * t * h) + 16 * t
 
 
+def layer_stats_in_element_size(b, s, h, a, e):  # right in fp32, wrong in bf16
+    return e * (16 * b * s * h + a * b * s * s) + e * 4 * b * s
+
+
+def layer_fp32_always(b, s, h, a, e):  # element_size ignored: right in fp32 only
+    return layer_right(b, s, h, a, 4)
+
+
+def layer_half_of_fp32(b, s, h, a, e):  # the fp32 answer scaled by e/4, statistics too
+    return layer_right(b, s, h, a, 4) * e // 4
+
+
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize(
     "fn, ok, says",
     [
-        (layer_right, True, "equal to the bytes autograd saved"),
-        (layer_by_parts, True, "equal to the bytes autograd saved"),
+        (layer_right, True, "fp32 and bf16"),
+        (layer_by_parts, True, "fp32 and bf16"),
         (layer_no_scores, False, "the attention scores are missing"),
         (layer_no_stats, False, "statistics are missing"),
         (layer_korthikanti, False, "with dropout"),
         (layer_scores_without_batch, False, "a·b·s², not a·s²"),
         (layer_mlp_unexpanded, False, "count each tensor"),
+        (layer_stats_in_element_size, False, "statistics stay fp32"),
+        (layer_fp32_always, False, "a bf16 layer keeps 2, not 4"),
+        (layer_half_of_fp32, False, "statistics stay fp32"),
         (lambda b, s, h: 0, False, "raised TypeError"),
     ],
 )

@@ -3,7 +3,8 @@ side.
 
 `check_layer_bytes` compares the learner's formula for the bytes one transformer layer saves
 for backward with what autograd really saves in this process (counted by
-`labkit.parallel.step_memory.SavedBytes` on a `Block`), over shapes where each term matters.
+`labkit.parallel.step_memory.SavedBytes` on a `Block`), over shapes where each term matters,
+in fp32 and in bf16 (the LayerNorms' statistics fp32 either way, as on a GPU).
 `check_attention_bytes` does the same for eager attention and SDPA/FlashAttention (the s²
 probabilities against the output and its fp32 log-sum-exp), and `check_tp_activation_bytes`
 for one tensor-parallel rank with and without torch's sequence parallelism (against
@@ -41,23 +42,36 @@ LAYER_CASES = ((2, 8, 16, 2), (1, 32, 16, 4), (4, 8, 32, 4), (3, 12, 24, 3))
 
 @functools.cache  # the bytes depend on the shapes alone: measure each shape once a process
 def _measured_layer_bytes(
-    batch: int, seq: int, hidden: int, heads: int, attention: str = "eager"
+    batch: int, seq: int, hidden: int, heads: int, attention: str = "eager", element_size: int = 4
 ) -> int:
+    """What autograd saves for one `Block` in fp32 (element_size 4) or bf16 (2). In bf16 the
+    LayerNorms keep fp32 weights, so that the CPU kernel keeps fp32 statistics as CUDA's
+    LayerNorm (and Megatron's fused one) does for bf16 input; everything else is bf16."""
     import torch
 
     from labkit.parallel.step_memory import SavedBytes, Stack
 
+    dtype = {4: torch.float32, 2: torch.bfloat16}[element_size]
     torch.manual_seed(0)
-    model = Stack(1, hidden, heads, attention=attention)
+    model = Stack(1, hidden, heads, attention=attention).to(dtype)
+    for layer in model.layers:
+        layer.ln1.float(), layer.ln2.float()
     with SavedBytes(model) as saved:
-        loss = model(torch.randn(batch, seq, hidden)).sum()
+        loss = model(torch.randn(batch, seq, hidden, dtype=dtype)).float().sum()
     saved.backward(loss)
     return saved.per_layer[0]
 
 
-def _layer_mistake(case: tuple[int, int, int, int], got: Any) -> str:
+def _layer_mistake(case: tuple[int, int, int, int], e: int, got: Any) -> str:
     b, s, h, a = case
-    e, t = 4, b * s
+    t = b * s
+    if e != 4 and got == 4 * (16 * t * h + a * b * s * s) + 16 * t:
+        return "the activations are element_size bytes each: a bf16 layer keeps 2, not 4"
+    if e != 4 and got == e * (16 * t * h + a * b * s * s) + e * 4 * t:
+        return (
+            "the LayerNorm statistics stay fp32 (4 bytes) whatever the activations' dtype:"
+            " 2 LayerNorms x (mean, 1/std) x T x 4 B"
+        )
     if got == e * 16 * t * h + 16 * t:
         return "the attention scores are missing: softmax keeps a·b·s² numbers, one per pair"
     if got == e * (16 * t * h + a * b * s * s):
@@ -71,20 +85,22 @@ def _layer_mistake(case: tuple[int, int, int, int], got: Any) -> str:
 
 def check_layer_bytes(fn: Callable[[int, int, int, int, int], Any]) -> Verdict:
     """`fn(batch, seq, hidden, heads, element_size)`: the bytes one `Block` saves for backward
-    in float32 (element_size 4), checked against what autograd saves."""
+    in float32 (element_size 4) and in bfloat16 (2, the LayerNorm statistics fp32), checked
+    against what autograd saves."""
     for case in LAYER_CASES:
-        want = _measured_layer_bytes(*case)
-        try:
-            got = fn(*case, 4)
-        except Exception as exc:  # noqa: BLE001 - the learner's error is the verdict
-            return wrong(f"fn{(*case, 4)} raised {exc!r}")
-        if got != want:
-            b, s, h, a = case
-            return wrong(
-                f"batch {b}, seq {s}, hidden {h}, heads {a}: got {got!r}, autograd saved "
-                f"{want:,} bytes; {_layer_mistake(case, got)}"
-            )
-    return right(f"equal to the bytes autograd saved, on {len(LAYER_CASES)} shapes")
+        for e in (4, 2):
+            want = _measured_layer_bytes(*case, element_size=e)
+            try:
+                got = fn(*case, e)
+            except Exception as exc:  # noqa: BLE001 - the learner's error is the verdict
+                return wrong(f"fn{(*case, e)} raised {exc!r}")
+            if got != want:
+                b, s, h, a = case
+                return wrong(
+                    f"batch {b}, seq {s}, hidden {h}, heads {a}, element_size {e}: got {got!r},"
+                    f" autograd saved {want:,} bytes; {_layer_mistake(case, e, got)}"
+                )
+    return right(f"equal to the bytes autograd saved, fp32 and bf16, on {len(LAYER_CASES)} shapes")
 
 
 def solution_layer_bytes() -> Any:
