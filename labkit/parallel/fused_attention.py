@@ -9,8 +9,10 @@ a flash-style kernel on CPU) walks K and V in tiles, keeping for each query row 
 maximum m, a running sum l of exp(score - m) and a running output (the *online softmax*,
 `tiled_attention` below): the s x s matrix never exists, only a tile of it in fast memory
 (SRAM/registers on a GPU). It saves for backward its inputs, its output and the log-sum-exp
-m + log(l) per row (fp32, b·a·s numbers), and backward **recomputes** each tile of
-probabilities from Q, K and the log-sum-exp: more FLOPs, far fewer bytes moved and kept.
+m + log(l) per row (fp32, b·a·s numbers; on CUDA also an RNG seed and offset), and backward
+**recomputes** each tile of probabilities from Q, K and the log-sum-exp: more FLOPs, far fewer
+bytes moved and kept. A mask passed as a tensor is saved too (on CPU a boolean mask becomes an
+fp32 s x s bias): causal attention should pass `is_causal=True` instead.
 
 `sdpa_ops` names the kernel SDPA ran (from torch.profiler); `time_attention` times forward
 and backward of both.

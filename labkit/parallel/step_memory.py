@@ -146,10 +146,11 @@ CUDA_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes
 
 def allocator_bytes(sizes: list[int], block: int = CUDA_BLOCK) -> int:
     """How much `torch.cuda.memory_allocated` grows for new tensors of `sizes` bytes: each
-    rounded up to a multiple of `block` (at least one block). Exact for requests under 1 MiB
-    (the small pool splits its blocks to the rounded size); a larger request may be handed a
-    cached block up to 1 MiB bigger. The CPU allocator has no such count to compare with."""
-    return sum(max(1, -(-n // block)) * block for n in sizes)
+    rounded up to a multiple of `block` (at least one block; an empty tensor allocates
+    nothing). Exact for requests up to 1 MiB (the small pool splits its blocks to the rounded
+    size); a larger request may be handed a cached block up to 1 MiB bigger. The CPU allocator
+    has no such count to compare with."""
+    return sum(-(-n // block) * block for n in sizes)
 
 
 def layer_forward_flops(batch: int, seq: int, hidden: int) -> int:
