@@ -359,6 +359,17 @@ def test_recomputation_costs_one_more_forward_in_flops():
     assert counter.get_total_flops() == 2 * layer_forward_flops(2, 16, 32)  # by hand
     assert flops[False] == 3 * counter.get_total_flops()
     assert flops[True] * 3 == flops[False] * 4
+    # torch's default early stop ends the rerun once fc2 has saved its input: fc2's matmul
+    # (2·T·4h² FLOPs a layer) is skipped, as notebook 37 says (1.24 there)
+    from torch.utils.checkpoint import checkpoint
+
+    with FlopCounterMode(display=False) as counter:
+        h = x
+        for layer in model.layers:
+            h = checkpoint(layer._layer, h, use_reentrant=False)
+        h.square().mean().backward()
+    fc2 = 2 * 2 * 16 * 4 * 32 * 32
+    assert counter.get_total_flops() == flops[True] - 2 * fc2
 
 
 def test_sdpa_block_computes_what_the_eager_block_computes():

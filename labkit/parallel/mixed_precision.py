@@ -84,7 +84,8 @@ def layernorm_stats_size(dtype: torch.dtype, device: torch.device | str) -> int:
     """Bytes per element of the mean and 1/std LayerNorm keeps for `dtype` input on `device`.
 
     fp32 for fp32 input everywhere; for bf16/fp16 CUDA keeps fp32 statistics and the CPU
-    kernel keeps them in the input's dtype, so this asks the device's kernel.
+    kernel keeps them in the input's dtype (with weights of that dtype too: fp32 weights give
+    fp32 statistics), so this asks the device's kernel.
     """
     x = torch.ones(1, 2, dtype=dtype, device=device)
     w = torch.ones(2, dtype=dtype, device=device)
