@@ -187,3 +187,219 @@ def test_bad_shapes_say_what_is_wrong():
         layer_activation_bytes(1, 2, 8, 4, 4, tp=3)
     with pytest.raises(ValueError, match="hidden=10 must be a multiple of heads=4"):
         Block(10, 4)
+
+
+def test_attention_and_sequence_parallel_options_by_hand():
+    # b=2, s=8, h=16, a=4, fp32: T·h = 256 elements, a·b·s² = 512, b·a·s = 64
+    eager = layer_activation_bytes(2, 8, 16, 4, 4)
+    assert eager == layer_activation_bytes(2, 8, 16, 4, 4, attention="eager")
+    assert eager["attention"] == 4 * (6 * 256 + 512)
+    sdpa = layer_activation_bytes(2, 8, 16, 4, 4, attention="sdpa")
+    assert sdpa["attention"] == 4 * 6 * 256 + 4 * 64 and sdpa["mlp"] == eager["mlp"]
+    # torch's SequenceParallel at tp=2: LN inputs and statistics halve, LN outputs stay whole
+    sp = layer_activation_bytes(2, 8, 16, 4, 4, tp=2, sequence_parallel=True)
+    assert sp["attention"] == 4 * (128 + 256 + (4 * 256 + 512) // 2)
+    assert sp["mlp"] == 4 * (128 + 256 + 8 * 256 // 2)
+    assert sp["layernorm"] == 2 * 2 * 4 * 16 // 2
+    assert layer_activation_bytes(2, 8, 16, 4, 4, tp=1, sequence_parallel=True) == eager
+    with pytest.raises(ValueError, match=r"must be one of \('eager', 'sdpa'\)"):
+        layer_activation_bytes(2, 8, 16, 4, 4, attention="flash")
+    with pytest.raises(ValueError, match="must be True or False"):
+        layer_activation_bytes(2, 8, 16, 4, 4, sequence_parallel="yes")
+    with pytest.raises(ValueError, match="tp=4 must divide it"):
+        layer_activation_bytes(2, 6, 16, 4, 4, tp=4, sequence_parallel=True)
+
+
+def _local(t):
+    return (t.to_local() if hasattr(t, "to_local") else t).untyped_storage()
+
+
+def _unique_saved_bytes(fn, model):
+    """Bytes of the distinct storages autograd saves while `fn()` runs, the parameters' left
+    out (DTensors counted by their local shard): a count independent of SavedBytes."""
+    params = {_local(p.detach()).data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t):
+        storage = _local(t)
+        if storage.data_ptr() not in params:
+            seen[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(seen.values())
+
+
+def _parallel_rank(rank: int, world_size: int) -> dict:
+    from labkit.parallel import sequence_parallel as sp
+
+    out = {}
+    torch.manual_seed(0)
+    layer = Stack(1, 32, 4, attention="sdpa").split_tensor_parallel()
+    with SavedBytes(layer) as saved:
+        y = layer(torch.randn(2, 8, 32, requires_grad=True))
+    saved.backward(y.sum())
+    out["tp_sdpa"] = saved.per_layer
+    torch.manual_seed(0)
+    mlp = sp.dtensor_block(sp.Block(32, 128))  # torch's SequenceParallel + Colwise + Rowwise
+    x = torch.randn(2, 8 // world_size, 32, requires_grad=True)
+    y, out["sp_mlp"] = _unique_saved_bytes(lambda: mlp(x), mlp)
+    y.sum().backward()
+    return out
+
+
+@pytest.mark.timeout(180)
+def test_sdpa_under_tp_and_torch_sequence_parallel_match_the_formula():
+    n = 2
+    ranks = run_ranks(_parallel_rank, n)
+    want = layer_activation_bytes(2, 8, 32, 4, 4, tp=n, attention="sdpa")["total"]
+    sp = layer_activation_bytes(2, 8, 32, 4, 4, tp=n, sequence_parallel=True)
+    tp = layer_activation_bytes(2, 8, 32, 4, 4, tp=n)
+    for res in ranks:
+        assert res["tp_sdpa"] == [want]
+        # one LayerNorm + the MLP: what torch's SequenceParallel plan keeps per rank, and
+        # not what plain TP keeps (LayerNorm whole) nor everything / n (Megatron's re-gather)
+        assert res["sp_mlp"] == sp["mlp"] + sp["layernorm"] // 2
+        assert res["sp_mlp"] != tp["mlp"] + tp["layernorm"] // 2
+        assert res["sp_mlp"] != (4 * 10 * 2 * 8 * 32 + 2 * 4 * 2 * 8) // n
+
+
+def _saved(model, x, autocast=False):
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.enable_grad()
+    with ctx, SavedBytes(model) as saved:
+        out = model(x)
+    saved.backward(out.float().sum())
+    return saved
+
+
+@pytest.mark.timeout(60)
+def test_sdpa_keeps_its_output_and_an_fp32_log_sum_exp_not_the_scores():
+    b, h, a = 2, 32, 4
+    per = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        stats = layernorm_stats_size(dtype, "cpu")
+        for kind in ("eager", "sdpa"):
+            for s in (16, 32, 64):
+                torch.manual_seed(0)
+                model = Stack(1, h, a, attention=kind).to(dtype)
+                saved = _saved(model, torch.randn(b, s, h, dtype=dtype))
+                want = layer_activation_bytes(b, s, h, a, dtype.itemsize, stats_size=stats,
+                                              attention=kind)  # fmt: skip
+                assert saved.per_layer == [want["total"]], (dtype, kind, s)
+                sizes = sorted(n for _, _, n, _ in saved.records)
+                if kind == "sdpa":  # the log-sum-exp: b·a·s fp32, whatever the dtype
+                    assert [d for _, d, n, _ in saved.records if n == 4 * b * a * s] == [
+                        torch.float32]  # fmt: skip
+                    assert max(sizes) == dtype.itemsize * b * s * 4 * h  # no s² storage
+                else:
+                    assert dtype.itemsize * a * b * s * s in sizes
+                per[(dtype, kind, s)] = saved.per_layer[0]
+        # SDPA grows as s, eager's extra over linear growth is the s² term
+        assert (
+            per[(dtype, "sdpa", 64)] == 2 * per[(dtype, "sdpa", 32)] == 4 * per[(dtype, "sdpa", 16)]
+        )
+        quad = per[(dtype, "eager", 64)] - 2 * per[(dtype, "eager", 32)]
+        assert quad == dtype.itemsize * a * b * (64**2 - 2 * 32**2)
+
+
+@pytest.mark.timeout(60)
+def test_autocast_saves_fp32_stream_and_bf16_rest_as_worked_out():
+    from labkit.parallel.mixed_precision import autocast_activation_bytes
+
+    for kind in ("eager", "sdpa"):
+        for b, s, h, a in ((3, 8, 32, 4), (2, 16, 64, 8)):
+            torch.manual_seed(0)
+            saved = _saved(Stack(1, h, a, attention=kind), torch.randn(b, s, h), autocast=True)
+            want = autocast_activation_bytes(b, s, h, a, attention=kind)
+            assert saved.per_layer == [want["total"]]
+            fp32 = sum(n for _, d, n, _ in saved.records if d == torch.float32)
+            lse = 4 * b * a * s if kind == "sdpa" else 0
+            assert fp32 == want["fp32_stream"] + want["stats"] + lse
+            # the fused 16-bit layout's formula is not what autocast keeps
+            assert want["total"] != layer_activation_bytes(b, s, h, a, 2, attention=kind)["total"]
+    cuda = autocast_activation_bytes(1, 8, 16, 2, device_type="cuda")
+    cpu = autocast_activation_bytes(1, 8, 16, 2)
+    assert cuda["attention"] - cpu["attention"] == 4 * 2 * 8 * 8  # fp32 softmax output
+    with pytest.raises(ValueError, match=r"must be one of \('cpu', 'cuda'\)"):
+        autocast_activation_bytes(1, 8, 16, 2, device_type="mps")
+
+
+def test_allocator_rounding_explains_the_recorded_gpu_figure():
+    # the issue-32 H200 run: notebook 37's (2, 32) forward of 2 layers, h=64, 4 heads, fp32;
+    # memory_allocated grew 593,920 bytes, the old check expected at least 608,256
+    from labkit.parallel.step_memory import allocator_bytes
+
+    torch.manual_seed(0)
+    model, x = Stack(2, 64, 4), torch.randn(2, 32, 64)
+    with SavedBytes(model) as saved:
+        out = model(x)
+    assert saved.total + out.nbytes == 608_256  # what the old check took as a lower bound
+    made = [n for _, _, n, ptr in saved.records if ptr != x.untyped_storage().data_ptr()]
+    assert allocator_bytes(made + [out.nbytes]) == 593_920  # x predates the reading; 512 B
+    assert allocator_bytes([1, 512, 513, 0]) == 512 + 512 + 1024  # no allocation for 0 bytes
+
+
+@pytest.mark.timeout(60)
+def test_recomputation_costs_one_more_forward_in_flops():
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from labkit.parallel.step_memory import layer_forward_flops
+
+    torch.manual_seed(0)
+    model, x = Stack(2, 32, 4), torch.randn(2, 16, 32)
+    flops = {}
+    for recompute in (False, True):
+        model.recompute = recompute
+        with FlopCounterMode(display=False) as counter:
+            model(x).square().mean().backward()
+        flops[recompute] = counter.get_total_flops()
+    with FlopCounterMode(display=False) as counter:
+        model(x)
+    assert counter.get_total_flops() == 2 * layer_forward_flops(2, 16, 32)  # by hand
+    assert flops[False] == 3 * counter.get_total_flops()
+    assert flops[True] * 3 == flops[False] * 4
+    # torch's default early stop ends the rerun once fc2 has saved its input: fc2's matmul
+    # (2·T·4h² FLOPs a layer) is skipped, as notebook 37 says (1.24 there)
+    from torch.utils.checkpoint import checkpoint
+
+    with FlopCounterMode(display=False) as counter:
+        h = x
+        for layer in model.layers:
+            h = checkpoint(layer._layer, h, use_reentrant=False)
+        h.square().mean().backward()
+    fc2 = 2 * 2 * 16 * 4 * 32 * 32
+    assert counter.get_total_flops() == flops[True] - 2 * fc2
+
+
+def test_sdpa_block_computes_what_the_eager_block_computes():
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    outs, grads = [], []
+    for kind in ("eager", "sdpa"):
+        torch.manual_seed(0)  # the same weights: the modules are made in the same order
+        model = Stack(2, 32, 4, attention=kind)
+        outs.append(model(x))
+        outs[-1].square().mean().backward()
+        grads.append([p.grad for p in model.parameters()])
+    assert torch.allclose(outs[0], outs[1], atol=1e-5)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5)
+    with pytest.raises(ValueError, match=r"attention='flash': must be one of"):
+        Stack(1, 32, 4, attention="flash")
+
+
+def test_tiled_attention_is_attention_without_the_s_by_s_matrix():
+    from labkit.parallel.fused_attention import eager_attention, sdpa_ops, tiled_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 64, 16) * 4 for _ in range(3))  # large scores: max matters
+    out, lse, largest = tiled_attention(q, k, v, block=16)
+    assert torch.allclose(out, eager_attention(q, k, v), atol=1e-5)
+    assert torch.allclose(out, torch.nn.functional.scaled_dot_product_attention(q, k, v),
+                          atol=1e-5)  # fmt: skip
+    scores = (q @ k.transpose(-2, -1)) / 4
+    assert torch.allclose(lse, torch.logsumexp(scores, dim=-1), atol=1e-4)
+    assert largest == 2 * 4 * 64 * 16 == scores.numel() // 4
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in sdpa_ops(q, k, v)
+    with pytest.raises(ValueError, match="block=0 must be >= 1"):
+        tiled_attention(q, k, v, block=0)

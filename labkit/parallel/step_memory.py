@@ -3,34 +3,43 @@
 A training step holds four kinds of bytes (Rajbhandari et al., ZeRO, 2020; Korthikanti et al.,
 Reducing Activation Recomputation, 2022; the Ultra-Scale Playbook's memory chapter):
 
-- weights and gradients: Psi parameters, 4 + 4 bytes each in fp32, 2 + 2 in mixed precision;
+- weights and gradients: Psi parameters, 4 + 4 bytes each in fp32, 2 + 2 in mixed precision
+  as Megatron/DeepSpeed lay it out (`mixed_precision` module doc: torch.autocast differs);
 - Adam's state: two moments, 8 bytes per parameter in fp32; under mixed precision also an fp32
   master copy of the weights, 4 more (2 + 2 + 12 = 16 bytes, as in plain fp32: 4 + 4 + 8);
 - activations: what autograd saves in forward for backward, per layer.
 
-`Block` is a pre-norm transformer layer built from plain ops, so that what each op saves is
-known: with T = b·s tokens, hidden h, a heads, e bytes per element, one layer saves
+`Block` is a pre-norm transformer layer built from plain ops (no dropout, like Llama), so that
+what each op saves is known: with T = b·s tokens, hidden h, a heads, e bytes per element, one
+layer saves
 
     attention: LN1 input, LN1 output (the q/k/v input), q, k, v, the softmax output, the
                context (the output projection's input)       e·(6·T·h + a·b·s²)
     MLP:       LN2 input, LN2 output, fc1 output (GELU's input), GELU output (fc2's input)
                                                              e·(10·T·h)
-    LayerNorm: mean and 1/std per token, two LayerNorms, always fp32      4·4·T
+    LayerNorm: mean and 1/std per token, two LayerNorms, fp32 for fp32 input   4·4·T
 
 so e·(16·T·h + a·b·s²) + 16·T bytes: Korthikanti's 34·s·b·h + 5·a·s²·b (16-bit, with dropout)
-less the dropout masks and the dropout output (2·s·b·h + 3·a·s²·b). Under Megatron tensor
-parallelism over t ranks (no sequence parallelism; `Block.split_tensor_parallel`) the
-LayerNorms' inputs and outputs stay whole and everything between the column and row splits
-divides by t: e·(4·T·h + (12·T·h + a·b·s²)/t) + 16·T.
+less the dropout masks and the dropout output (2·s·b·h + 3·a·s²·b). With
+`Block(attention="sdpa")` the layer calls `F.scaled_dot_product_attention` (FlashAttention on
+GPUs, a flash kernel on CPU: `fused_attention` module doc), which keeps no s x s matrix: its
+output is the context, and it saves the log-sum-exp of each query row in fp32, so attention
+saves e·6·T·h + 4·a·b·s. Under Megatron tensor parallelism over t ranks (no sequence
+parallelism; `Block.split_tensor_parallel`) the LayerNorms' inputs and outputs stay whole and
+everything between the column and row splits divides by t: e·(4·T·h + (12·T·h + a·b·s²)/t) +
+16·T. torch's SequenceParallel divides the LayerNorms' inputs and statistics by t too, but not
+their outputs (`layer_activation_bytes`).
 
 Activation recomputation (`torch.utils.checkpoint`) keeps only each layer's input, e·T·h,
 and runs the layer's forward again during backward: fewer saved bytes, the same gradients,
-one extra forward per layer.
+one extra forward per layer (4 units of matmul FLOPs instead of 3, `layer_forward_flops`).
 
 `SavedBytes` counts what autograd keeps: a `torch.autograd.graph.saved_tensors_hooks` pack
 hook sees every tensor saved for backward; it adds up each distinct storage once (views of
 one tensor share it) and leaves out the parameters' storages. It counts the same on every
-device; on CUDA, `torch.cuda.memory_allocated` shows the allocator's view beside it.
+device. On CUDA, `torch.cuda.memory_allocated` shows the allocator's view: each new tensor
+rounded up to 512 bytes (`allocator_bytes`), and only tensors made after it was read (the
+model's input, saved by the first LayerNorm, was there before).
 """
 
 from __future__ import annotations
@@ -44,6 +53,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
 
+from labkit.parallel.mixed_precision import (  # re-exported: notebook 37 imports them here
+    layernorm_stats_size,
+    mixed_precision_adam,
+    mixed_precision_bytes,
+    mixed_precision_step,
+)
 from labkit.parallel.tensor_parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
@@ -54,7 +69,11 @@ __all__ = [
     "Block",
     "SavedBytes",
     "Stack",
+    "ATTENTION",
+    "CUDA_BLOCK",
     "adam_state_bytes",
+    "allocator_bytes",
+    "layer_forward_flops",
     "layer_activation_bytes",
     "layernorm_stats_size",
     "mixed_precision_adam",
@@ -66,6 +85,10 @@ __all__ = [
 STATS_BYTES = 4  # LayerNorm keeps its mean and 1/std in fp32 whatever the input's dtype
 
 
+ATTENTION = ("eager", "sdpa")
+LSE_BYTES = 4  # SDPA keeps its log-sum-exp in fp32 whatever q's dtype (CPU and CUDA kernels)
+
+
 def layer_activation_bytes(
     batch: int,
     seq: int,
@@ -74,22 +97,68 @@ def layer_activation_bytes(
     element_size: int,
     tp: int = 1,
     stats_size: int = STATS_BYTES,
+    *,
+    attention: str = "eager",
+    sequence_parallel: bool = False,
 ) -> dict[str, int]:
     """Bytes one `Block` saves for backward (module doc), per part; `tp` ranks of Megatron TP.
 
+    attention="eager" keeps the a·b·s² softmax probabilities; "sdpa"
+    (`F.scaled_dot_product_attention`, FlashAttention) keeps no s² term: its output (which
+    is the output projection's input) and the log-sum-exp, b·a·s fp32 numbers.
+    sequence_parallel=True (torch's `SequenceParallel` on the LayerNorms, the q/k/v and fc1
+    inputs gathered once per sub-layer, the row-parallel outputs reduce-scattered) also
+    divides by `tp` what plain TP keeps whole: the LayerNorms' inputs (the residual stream)
+    and their statistics. The LayerNorms' outputs stay whole: the column-parallel linear
+    saves its all-gathered input (Megatron's own layers save the shard and all-gather it
+    again in backward, dividing those too).
+
     Keys: attention, mlp, layernorm (the statistics, `stats_size` bytes each), total.
     """
+    if attention not in ATTENTION:
+        raise ValueError(f"attention={attention!r}: must be one of {ATTENTION}")
+    if not isinstance(sequence_parallel, bool):
+        raise ValueError(f"sequence_parallel={sequence_parallel!r}: must be True or False")
     if tp < 1 or heads % tp or hidden % tp:
         raise ValueError(f"tp={tp} must be >= 1 and divide heads={heads} and hidden={hidden}")
+    if sequence_parallel and seq % tp:
+        raise ValueError(f"sequence_parallel shards seq={seq}: tp={tp} must divide it")
     tokens = batch * seq
     th = tokens * hidden
+    # per sub-layer: the LayerNorm's input (whole, or 1/tp of the sequence) and its output
+    # (whole either way: what the column-parallel linear saves)
+    ln = th // tp + th if sequence_parallel else 2 * th
+    if attention == "eager":  # q, k, v, the context and the probabilities, heads split
+        core = element_size * (4 * th + heads * batch * seq * seq) // tp
+    else:  # q, k, v, the output (= the context) and the log-sum-exp
+        core = (element_size * 4 * th + LSE_BYTES * batch * heads * seq) // tp
     out = {
-        "attention": element_size * (2 * th + (4 * th + heads * batch * seq * seq) // tp),
-        "mlp": element_size * (2 * th + 8 * th // tp),
-        "layernorm": 2 * 2 * stats_size * tokens,
+        "attention": element_size * ln + core,
+        "mlp": element_size * (ln + 8 * th // tp),
+        "layernorm": 2 * 2 * stats_size * tokens // (tp if sequence_parallel else 1),
     }
     out["total"] = sum(out.values())
     return out
+
+
+CUDA_BLOCK = 512  # the CUDA caching allocator hands out multiples of 512 bytes
+
+
+def allocator_bytes(sizes: list[int], block: int = CUDA_BLOCK) -> int:
+    """How much `torch.cuda.memory_allocated` grows for new tensors of `sizes` bytes: each
+    rounded up to a multiple of `block` (at least one block; an empty tensor allocates
+    nothing). Exact for requests up to 1 MiB (the small pool splits its blocks to the rounded
+    size); a larger request may be handed a cached block up to 1 MiB bigger. The CPU allocator
+    has no such count to compare with."""
+    return sum(-(-n // block) * block for n in sizes)
+
+
+def layer_forward_flops(batch: int, seq: int, hidden: int) -> int:
+    """Matmul FLOPs (2 per multiply-add) of one `Block`'s forward: q, k, v, o (4·h² a token),
+    fc1 and fc2 (8·h² a token), and Q·K^T and P·V (2·b·s²·h each). Backward does twice that
+    (the gradients of both operands of every matmul)."""
+    tokens = batch * seq
+    return 2 * tokens * 12 * hidden * hidden + 2 * 2 * batch * seq * seq * hidden
 
 
 def recompute_activation_bytes(batch: int, seq: int, hidden: int, element_size: int) -> int:
@@ -111,11 +180,20 @@ def adam_state_bytes(num_params: int, mixed_precision: bool) -> dict[str, int]:
 class Block(nn.Module):
     """A pre-norm transformer layer from plain ops: x + attn(LN1(x)), then + MLP(LN2(x))."""
 
-    def __init__(self, hidden: int, heads: int, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        hidden: int,
+        heads: int,
+        device: torch.device | str | None = None,
+        attention: str = "eager",
+    ):
         super().__init__()
         if hidden % heads:
             raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
+        if attention not in ATTENTION:
+            raise ValueError(f"attention={attention!r}: must be one of {ATTENTION}")
         self.heads, self.head_dim = heads, hidden // heads
+        self.attention = attention
         self.recompute = False
         self.tp_group: object = None  # set by split_tensor_parallel
         self.ln1 = nn.LayerNorm(hidden, device=device)
@@ -158,9 +236,15 @@ class Block(nn.Module):
         y = self.ln1(x)
         if self.tp_group is not None:  # once for Q, K and V: their input's gradient summed
             y = copy_to_parallel(y, self.tp_group)
-        q, k, v = self._split(self.q(y)), self._split(self.k(y)), self._split(self.v(y))
-        scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(self.head_dim))
-        context = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, -1)
+        if self.attention == "sdpa":  # head views of the projections, as models write it: the
+            # kernel's output is laid out [b, s, heads, d], so the context below is a view of it
+            q, k, v = (m(y).view(b, s, self.heads, self.head_dim).transpose(1, 2)
+                       for m in (self.q, self.k, self.v))  # fmt: skip
+            context = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).reshape(b, s, -1)
+        else:
+            q, k, v = self._split(self.q(y)), self._split(self.k(y)), self._split(self.v(y))
+            scores = (q @ k.transpose(-2, -1)) * (1 / math.sqrt(self.head_dim))
+            context = (torch.softmax(scores, dim=-1) @ v).transpose(1, 2).reshape(b, s, -1)
         x = x + self.o(context)
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
@@ -169,10 +253,17 @@ class Stack(nn.Module):
     """`num_layers` Blocks; `stack.recompute = True` runs each under `torch.utils.checkpoint`."""
 
     def __init__(
-        self, num_layers: int, hidden: int, heads: int, device: torch.device | str | None = None
+        self,
+        num_layers: int,
+        hidden: int,
+        heads: int,
+        device: torch.device | str | None = None,
+        attention: str = "eager",
     ):
         super().__init__()
-        self.layers = nn.ModuleList(Block(hidden, heads, device) for _ in range(num_layers))
+        self.layers = nn.ModuleList(
+            Block(hidden, heads, device, attention) for _ in range(num_layers)
+        )
 
     @property
     def recompute(self) -> bool:
@@ -200,7 +291,8 @@ class SavedBytes:
 
     Use as `with SavedBytes(model) as saved: loss = ...`, then `saved.backward(loss)`;
     `saved.per_layer` has one int per layer (each storage counted once, where first saved) and
-    `saved.total` their sum. It also times the layers' forwards (from LN1's start to fc2's
+    `saved.total` their sum; `saved.records` has (layer, dtype, bytes, data_ptr) for each
+    storage counted. It also times the layers' forwards (from LN1's start to fc2's
     end): `forwards` counts them, `forward_s` is their time in forward and `recompute_s`
     their time inside backward, where only recomputation runs them.
     """
@@ -209,6 +301,7 @@ class SavedBytes:
         self.model = model
         self.per_layer = [0] * len(model.layers)
         self.storages = 0  # distinct storages counted (the allocator rounds each one up)
+        self.records: list[tuple[int, torch.dtype, int, int]] = []  # layer, dtype, bytes, ptr
         self.forwards = 0
         self.forward_s = 0.0
         self.recompute_s = 0.0
@@ -226,6 +319,7 @@ class SavedBytes:
             self._seen.add(ptr)
             self.per_layer[self._layer] += storage.nbytes()
             self.storages += 1
+            self.records.append((self._layer, t.dtype, storage.nbytes(), ptr))
         return t
 
     def _enter(self, i: int):
@@ -276,62 +370,3 @@ class SavedBytes:
             self._in_backward = False
             for h in self._handles:
                 h.remove()
-
-
-def layernorm_stats_size(dtype: torch.dtype, device: torch.device | str) -> int:
-    """Bytes per element of the mean and 1/std LayerNorm keeps for `dtype` input on `device`.
-
-    fp32 for fp32 input everywhere; for bf16/fp16 CUDA keeps fp32 statistics and the CPU
-    kernel keeps them in the input's dtype, so this asks the device's kernel.
-    """
-    x = torch.ones(1, 2, dtype=dtype, device=device)
-    w = torch.ones(2, dtype=dtype, device=device)
-    return torch.native_layer_norm(x, [2], w, w, 1e-5)[1].element_size()
-
-
-def mixed_precision_adam(
-    model: nn.Module, dtype: torch.dtype = torch.bfloat16, lr: float = 1e-3
-) -> tuple[list[torch.Tensor], torch.optim.Adam]:
-    """Mixed precision by hand: casts `model` to `dtype` in place and returns fp32 master
-    copies of its weights with an Adam over them (its two moments are fp32 too)."""
-    masters = [p.detach().float().clone().requires_grad_(True) for p in model.parameters()]
-    model.to(dtype)
-    return masters, torch.optim.Adam(masters, lr=lr)
-
-
-def mixed_precision_step(
-    model: nn.Module, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer
-) -> None:
-    """After backward: the low-precision grads go to the masters (as fp32), Adam steps the
-    masters, and the model's weights become the masters rounded to its dtype."""
-    with torch.no_grad():
-        for p, m in zip(model.parameters(), masters):
-            m.grad = p.grad.float()
-        optimizer.step()
-        for p, m in zip(model.parameters(), masters):
-            p.copy_(m)
-            m.grad = None  # fp32 grads kept across steps would add 4 bytes per parameter
-
-
-def _nbytes(tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def mixed_precision_bytes(
-    model: nn.Module, masters: list[torch.Tensor], optimizer: torch.optim.Optimizer
-) -> dict[str, int]:
-    """Bytes held after `mixed_precision_step`, counted from the tensors themselves.
-
-    Keys: params and grads (the model's, low precision), master (fp32 weights), moments
-    (Adam's exp_avg and exp_avg_sq), steps (Adam's per-tensor step counters), total.
-    """
-    state = [optimizer.state[m] for m in masters if m in optimizer.state]
-    out = {
-        "params": _nbytes(model.parameters()),
-        "grads": _nbytes(p.grad for p in model.parameters() if p.grad is not None),
-        "master": _nbytes(masters),
-        "moments": _nbytes(s[k] for s in state for k in ("exp_avg", "exp_avg_sq")),
-        "steps": _nbytes(s["step"] for s in state if torch.is_tensor(s.get("step"))),
-    }
-    out["total"] = sum(out.values())
-    return out
