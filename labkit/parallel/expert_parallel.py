@@ -252,7 +252,9 @@ def all_to_all_volume(
 
 
 def load_imbalance(slots_per_expert: list[int]) -> float:
-    """max / mean of the slots routed to each expert (1.0: every expert equally busy)."""
+    """max / mean of the slots routed to each expert (1.0: every expert equally busy): how
+    unevenly the gate routes. Given `rank_loads(...)` instead, the imbalance of the ranks,
+    which is what sets the step's time."""
     total = sum(slots_per_expert)
     if not slots_per_expert or total == 0:
         raise ValueError("load_imbalance needs at least one expert with a routed slot")
