@@ -237,6 +237,23 @@ def moe_token_order(x, logits, experts, k, capacity, normalize):
     )
 
 
+def moe_heaviest_kept(x, logits, experts, k, capacity, normalize):  # Megatron's "probs"
+    chosen, weights = _route(logits, k, normalize)
+    keep = torch.ones_like(chosen, dtype=torch.bool)
+    if capacity is not None:
+        for e in range(logits.shape[1]):
+            w = torch.where(chosen == e, weights, torch.full_like(weights, -1.0)).flatten()
+            mine = int((chosen == e).sum())
+            ranked = w.argsort(descending=True)[:mine]
+            keep.view(-1)[ranked[capacity:]] = False
+    return torch.stack(
+        [
+            sum(weights[t, j] * experts[int(chosen[t, j])](x[t]) * keep[t, j] for j in range(k))
+            for t in range(len(x))
+        ]
+    )
+
+
 def moe_renormalised_after_drop(x, logits, experts, k, capacity, normalize):
     chosen, weights = _route(logits, k, normalize)
     keep = _keep(chosen, logits.shape[1], capacity)
@@ -279,6 +296,7 @@ def moe_not_unsorted(x, logits, experts, k, capacity, normalize):  # the combine
             "case 2 (capacity 4, normalize=False): the top-k weights",
         ),
         (moe_token_order, False, "capacity filled token by token"),
+        (moe_heaviest_kept, False, "kept its slots of largest weight"),
         (moe_renormalised_after_drop, False, "renormalised over the slots that survived"),
         (moe_drops_whole_token, False, "a token lost all its slots when one was dropped"),
         (moe_not_unsorted, False, "added in the order they were sorted by expert"),

@@ -7,10 +7,13 @@ arrived: input and output splits swapped, even splits, rows at the wrong rank, p
 
 `check_moe_forward` runs a learner's routing and combine (in the kernel: no communication) on
 cases where the classic mistakes give other numbers: top-k weights left unnormalised, or
-normalised for a model that does not; capacity filled token by token instead of first choices
-first; weights renormalised over the slots that survived the drop; a token dropped whole when
-one of its slots is; the slots' outputs added in the order they were sorted by expert. Each
-mistake is named when the answer equals it.
+normalised for a model that does not; a token dropped whole when one of its slots is; the
+slots' outputs added in the order they were sorted by expert. Real layers differ in which slots
+a full expert drops and in whether the survivors' weights are renormalised; the exercise fixes
+one rule (GShard's order: first choices first, in token order; no renormalisation after the
+drop, as Megatron-core) and names the others' conventions when an answer follows one of them:
+token order for all slots (Megatron-core's drop_policy="position"), the heaviest slots kept
+(its default "probs"), renormalised after the drop (fairscale's and DeepSpeed's top-2 gates).
 """
 
 from __future__ import annotations
@@ -233,8 +236,11 @@ def _topk(logits: Any, k: int, normalize: bool) -> tuple[Any, Any]:
     return chosen, weights / weights.sum(dim=-1, keepdim=True) if normalize else weights
 
 
-def _keep(chosen: Any, num_experts: int, capacity: int | None, token_major: bool) -> Any:
-    """Which slots an expert with room `capacity` keeps, filled slot-major (or token-major)."""
+def _keep(
+    chosen: Any, num_experts: int, capacity: int | None, token_major: bool, weights: Any = None
+) -> Any:
+    """Which slots an expert with room `capacity` keeps, filled slot-major (or token-major; or,
+    given `weights`, the heaviest slots first, as Megatron-core's drop_policy="probs")."""
     import torch
 
     keep = torch.ones_like(chosen, dtype=torch.bool)
@@ -243,7 +249,9 @@ def _keep(chosen: Any, num_experts: int, capacity: int | None, token_major: bool
     used = [0] * num_experts
     t_count, k = chosen.shape
     order = [(t, j) for t in range(t_count) for j in range(k)]
-    if not token_major:
+    if weights is not None:
+        order.sort(key=lambda tj: -float(weights[tj]))  # per expert: the largest weights kept
+    elif not token_major:
         order.sort(key=lambda tj: (tj[1], tj[0]))  # every first choice, then every second
     for t, j in order:
         e = int(chosen[t, j])
@@ -275,6 +283,9 @@ def moe_mistakes(case: dict) -> dict[str, Any]:
         "right": _combine(case, chosen, weights, keep),
         "normalisation": _combine(case, chosen, flipped, keep),
         "token order": _combine(case, chosen, weights, _keep(chosen, num, cap, token_major=True)),
+        "heaviest kept": _combine(
+            case, chosen, weights, _keep(chosen, num, cap, token_major=False, weights=weights)
+        ),
         "renormalised after the drop": _combine(
             case, chosen, weights / (weights * keep).sum(dim=1, keepdim=True).clamp_min(1e-30), keep
         ),
@@ -294,12 +305,19 @@ _WHY = {
         "softmax probabilities of the chosen experts as they are (as Switch Transformer does)"
     ),
     "token order": lambda c: (
-        "capacity filled token by token: every token's first choice must be served before any "
-        "second choice (slot-major, as GShard does), or late tokens lose their favourite expert"
+        "capacity filled token by token (as Megatron-core's drop_policy='position' does), but "
+        "this exercise's rule is GShard's: every token's first choice served before any second "
+        "choice, so that late tokens do not lose their favourite expert to early second choices"
+    ),
+    "heaviest kept": lambda c: (
+        "each expert kept its slots of largest weight (Megatron-core's default "
+        "drop_policy='probs', a valid policy), but this exercise's rule is GShard's: first "
+        "choices before second choices, each in token order"
     ),
     "renormalised after the drop": lambda c: (
-        "the weights were renormalised over the slots that survived: a dropped slot just "
-        "contributes nothing, the others keep their weights"
+        "the weights were renormalised over the slots that survived (fairscale's and "
+        "DeepSpeed's top-2 gates do that), but this exercise's model, as Megatron-core, keeps "
+        "the weights as routed: a dropped slot just contributes nothing"
     ),
     "token dropped whole": lambda c: (
         "a token lost all its slots when one was dropped: with top-k it keeps the others' "

@@ -47,12 +47,16 @@ per-expert ones for how unevenly the gate routes; a hot expert beside a cold one
 rank leaves the ranks balanced. The combine buffer of the busiest rank is the largest.
 
 Capacity: GShard/Switch-style layers cap each expert at C = ceil(factor * T*k / E) slots per
-source rank and drop the slots beyond it, first choices before second choices (slot-major).
-A dropped slot contributes nothing and the weights are not renormalised, so a token that loses
-one of its k slots still gets the others' weighted outputs; only a token that loses all k
-keeps its residual path alone (`capped_moe`). Then every split is exactly C per expert,
-padded: all_to_all with even splits and no count exchange, at E*C*H*b bytes per rank, and
-sum_e max(0, count_e - C) slots dropped. This module's layer is dropless (uneven splits,
+source rank and drop the slots beyond it. Which slots drop, and whether the survivors'
+weights are renormalised, differs between implementations: fairscale's and DeepSpeed's top-2
+gates (after GShard) serve every first choice before any second choice and renormalise over
+the kept slots; Megatron-core keeps each expert's heaviest slots (drop_policy="probs", its
+default) or its earliest tokens ("position") and does not renormalise. Here: GShard's order
+(slot-major, `capacity_keep`), no renormalisation (`capped_moe`). A dropped slot contributes
+nothing, so a token that loses one of its k slots still gets the others' weighted outputs;
+only a token that loses all k keeps its residual path alone. Then every split can be exactly
+C per expert, padded: all_to_all with even splits and no count exchange, at E*C*H*b bytes per
+rank, and sum_e max(0, count_e - C) slots dropped. This module's layer is dropless (uneven splits,
 nothing dropped); `expert_capacity`, `capacity_keep`, `dropped_slots` and `capped_moe` give
 what a capped layer would do.
 """
