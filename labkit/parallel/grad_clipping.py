@@ -22,8 +22,12 @@ Pass them as `replicated` and they count once. Megatron does the same by hand (i
 duplicates of parameters not sharded across tensor-parallel ranks on every rank but the first);
 torch's DTensor does it by placement: `torch.nn.utils.clip_grad_norm_` on DTensor parameters
 (FSDP2's `fully_shard`, `parallelize_module`) reduces Shard placements across ranks and takes a
-Replicate one once, so it already is the global norm. It refuses a mix of DTensors and plain
-tensors (a LayerNorm left out of the plan).
+Replicate one once, so it already is the global norm over the DTensors' mesh. It refuses a mix
+of DTensors and plain tensors (a LayerNorm left out of the plan); across pipeline stages, or
+parameters on another mesh (expert parallelism's), torchtitan's own clip_grad_norm_ adds the
+missing reduction. All of this assumes a replicated parameter has the same gradient on every
+rank: under sequence parallelism a LayerNorm's gradient is a partial sum per rank until it is
+all-reduced over the tensor-parallel ranks (Megatron does so before the norm).
 """
 
 from __future__ import annotations
