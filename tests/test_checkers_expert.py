@@ -171,3 +171,161 @@ def test_cases_are_uneven_and_swap_sensitive(n: int) -> None:
         assert len({x for row in circulant for x in row}) > 1
     if n > 1:
         assert [sum(row) for row in irregular] != [sum(col) for col in zip(*irregular)]
+
+
+# ---------------------------------------------------------------- routing and combine (kernel)
+
+
+def _route(logits, k, normalize):
+    weights, chosen = logits.softmax(dim=-1).topk(k, dim=-1)
+    return chosen, weights / weights.sum(dim=-1, keepdim=True) if normalize else weights
+
+
+def _keep(chosen, num_experts, capacity, slot_major=True):
+    keep = torch.ones_like(chosen, dtype=torch.bool)
+    if capacity is None:
+        return keep
+    used = [0] * num_experts
+    pairs = [(t, j) for t in range(len(chosen)) for j in range(chosen.shape[1])]
+    for t, j in sorted(pairs, key=lambda p: (p[1], p[0])) if slot_major else pairs:
+        e = int(chosen[t, j])
+        keep[t, j] = used[e] < capacity
+        used[e] += int(keep[t, j])
+    return keep
+
+
+def moe_right(x, logits, experts, k, capacity, normalize):  # by token, by slot: plain loops
+    chosen, weights = _route(logits, k, normalize)
+    keep = _keep(chosen, logits.shape[1], capacity)
+    y = torch.zeros_like(x)
+    for t in range(len(x)):
+        for j in range(k):
+            if keep[t, j]:
+                y[t] += weights[t, j] * experts[int(chosen[t, j])](x[t])
+    return y
+
+
+def moe_vectorised(x, logits, experts, k, capacity, normalize):  # as labkit's MoE does it
+    from labkit.parallel.expert_parallel import capacity_keep, route
+
+    chosen, weights = route(logits, k, normalize)
+    keep = capacity_keep(chosen, logits.shape[1], capacity or len(x) * k)
+    y = torch.zeros_like(x)
+    for e, expert in enumerate(experts):
+        token, slot = ((chosen == e) & keep).nonzero(as_tuple=True)
+        if token.numel():
+            y = y.index_add(0, token, weights[token, slot, None] * expert(x[token]))
+    return y
+
+
+def moe_never_normalised(x, logits, experts, k, capacity, normalize):
+    return moe_right(x, logits, experts, k, capacity, False)
+
+
+def moe_always_normalised(x, logits, experts, k, capacity, normalize):
+    return moe_right(x, logits, experts, k, capacity, True)
+
+
+def moe_token_order(x, logits, experts, k, capacity, normalize):
+    chosen, weights = _route(logits, k, normalize)
+    keep = _keep(chosen, logits.shape[1], capacity, slot_major=False)
+    return torch.stack(
+        [
+            sum(weights[t, j] * experts[int(chosen[t, j])](x[t]) * keep[t, j] for j in range(k))
+            for t in range(len(x))
+        ]
+    )
+
+
+def moe_heaviest_kept(x, logits, experts, k, capacity, normalize):  # Megatron's "probs"
+    chosen, weights = _route(logits, k, normalize)
+    keep = torch.ones_like(chosen, dtype=torch.bool)
+    if capacity is not None:
+        for e in range(logits.shape[1]):
+            w = torch.where(chosen == e, weights, torch.full_like(weights, -1.0)).flatten()
+            mine = int((chosen == e).sum())
+            ranked = w.argsort(descending=True)[:mine]
+            keep.view(-1)[ranked[capacity:]] = False
+    return torch.stack(
+        [
+            sum(weights[t, j] * experts[int(chosen[t, j])](x[t]) * keep[t, j] for j in range(k))
+            for t in range(len(x))
+        ]
+    )
+
+
+def moe_renormalised_after_drop(x, logits, experts, k, capacity, normalize):
+    chosen, weights = _route(logits, k, normalize)
+    keep = _keep(chosen, logits.shape[1], capacity)
+    weights = weights * keep
+    weights = weights / weights.sum(dim=1, keepdim=True).clamp_min(1e-30)
+    return torch.stack(
+        [
+            sum(weights[t, j] * experts[int(chosen[t, j])](x[t]) for j in range(k))
+            for t in range(len(x))
+        ]
+    )
+
+
+def moe_drops_whole_token(x, logits, experts, k, capacity, normalize):  # "residual only"
+    chosen, weights = _route(logits, k, normalize)
+    keep = _keep(chosen, logits.shape[1], capacity)
+    y = moe_right(x, logits, experts, k, None, normalize)
+    return y * keep.all(dim=1, keepdim=True)
+
+
+def moe_not_unsorted(x, logits, experts, k, capacity, normalize):  # the combine's missing argsort
+    chosen, weights = _route(logits, k, normalize)
+    keep = _keep(chosen, logits.shape[1], capacity)
+    flat = chosen.flatten()
+    order = torch.argsort(flat, stable=True)
+    slots = torch.stack([experts[int(flat[i])](x[i // k]) for i in order.tolist()])
+    slots = slots * (weights * keep).flatten()[order, None]
+    return slots.view(len(x), k, -1).sum(dim=1)
+
+
+@pytest.mark.parametrize(
+    "fn, ok, says",
+    [
+        (moe_right, True, "first choices served first"),
+        (moe_vectorised, True, "first choices served first"),
+        (moe_never_normalised, False, "case 1 (capacity 4, normalize=True): the top-k weights"),
+        (
+            moe_always_normalised,
+            False,
+            "case 2 (capacity 4, normalize=False): the top-k weights",
+        ),
+        (moe_token_order, False, "capacity filled token by token"),
+        (moe_heaviest_kept, False, "kept its slots of largest weight"),
+        (moe_renormalised_after_drop, False, "renormalised over the slots that survived"),
+        (moe_drops_whole_token, False, "a token lost all its slots when one was dropped"),
+        (moe_not_unsorted, False, "added in the order they were sorted by expert"),
+        (lambda x, logits, experts, k, capacity, normalize: x, False, "case 1"),
+        (lambda x, logits, experts, k, capacity, normalize: None, False, "returned NoneType"),
+        (lambda x, logits, experts, k: x, False, "raised TypeError"),
+    ],
+)
+def test_moe_forward(fn, ok: bool, says: str) -> None:
+    _verdict(ep.check_moe_forward(fn), ok, says)
+
+
+def test_moe_forward_solution() -> None:
+    ns = {"torch": torch}
+    exec(ep.solution_moe_forward().code, ns)
+    _verdict(ep.check_moe_forward(ns["moe_forward"]), True, "in token order")
+
+
+def test_moe_cases_tell_every_mistake_apart() -> None:
+    """Every classic mistake gives other numbers than the right answer on at least one case,
+    and the capped cases hold tokens with one slot of two dropped and tokens with none left."""
+    cases = ep.moe_cases()
+    for name in ep.moe_mistakes(cases[0]):
+        if name != "right":
+            assert any(
+                not torch.allclose(m[name], m["right"], atol=1e-3)
+                for m in map(ep.moe_mistakes, cases)
+            ), name
+    capped = cases[0]
+    chosen, _ = _route(capped["logits"], 2, True)
+    kept = _keep(chosen, 4, capped["capacity"]).sum(dim=1).tolist()
+    assert 1 in kept and 0 in kept and 2 in kept, kept

@@ -1,6 +1,8 @@
 """Expert parallelism on 2 and 4 gloo ranks against the dense MoE in one process: outputs, the
 input gradient, every expert's gradient on its owner and the gate's summed gradient, seeded,
-float32; the splits are uneven and the bytes labkit's tracer records equal the formulas."""
+float32; the splits are uneven and the bytes labkit's tracer records equal the formulas; each
+rank's expert FLOPs (torch's FlopCounterMode) follow its load; a capped layer against the dense
+one and a routing worked out by hand."""
 
 from __future__ import annotations
 
@@ -14,9 +16,11 @@ from labkit.parallel.expert_parallel import (
     MoE,
     all_to_all_volume,
     capacity_keep,
+    capped_moe,
     dropped_slots,
     expert_capacity,
     load_imbalance,
+    rank_loads,
     route,
 )
 from labkit.rank import trace
@@ -46,6 +50,15 @@ def _ep_rank(rank: int, world_size: int) -> dict:
 
     ep = ExpertParallelMoE.from_dense(dense)
     x = x_all[mine].clone().requires_grad_()
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        ep(x)
+    expert_flops = sum(
+        sum(ops.values())
+        for name, ops in counter.get_flop_counts().items()
+        if name.rpartition(".")[0].endswith("experts")  # a local expert's module, whole
+    )
     trace.install()
     trace.begin_cell(1, rank)
     y = ep(x)
@@ -63,6 +76,7 @@ def _ep_rank(rank: int, world_size: int) -> dict:
             for e, expert in enumerate(ep.experts)
             for p, q in zip(expert.parameters(), dense.experts[ep.first + e].parameters())
         ),
+        "expert_flops": expert_flops,
         "first": ep.first,
         "num_local": len(ep.experts),
         "dispatch": ep.last,
@@ -162,3 +176,64 @@ def test_route_and_errors() -> None:
         route(torch.randn(5, 6), k=7)
     with pytest.raises(ValueError, match=r"k must be in \[1, 4\]"):
         MoE(4, 4, 4, 0)
+
+
+@pytest.mark.timeout(120)
+def test_each_rank_computes_its_load(ranks: list[dict]) -> None:
+    """What a rank's experts compute follows the sum of their slots: the step waits for it."""
+    n = len(ranks)
+    per_expert = [sum(res["dispatch"].sent_per_expert[e] for res in ranks) for e in range(EXPERTS)]
+    loads = rank_loads(per_expert, n)
+    assert loads == [sum(res["dispatch"].output_splits) for res in ranks]
+    for load, res in zip(loads, ranks):
+        assert res["expert_flops"] == load * (2 * HIDDEN * FFN + 2 * FFN * HIDDEN), (load, res)
+
+
+def test_rank_loads_by_hand() -> None:
+    # a hot expert beside a cold one: the experts are uneven, the ranks even
+    assert load_imbalance([6, 0, 3, 3]) == 2.0
+    assert rank_loads([6, 0, 3, 3], 2) == [6, 6] and load_imbalance([6, 6]) == 1.0
+    assert rank_loads([4, 4, 2, 2], 2) == [8, 4] and load_imbalance([8, 4]) == pytest.approx(4 / 3)
+    with pytest.raises(ValueError, match="divide the 4 experts, got 3"):
+        rank_loads([1, 2, 3, 4], 3)
+
+
+def test_capped_moe_drops_slots_not_tokens() -> None:
+    # by hand: choices (first, second) t0 (0, 1), t1 (0, 2), t2 (0, 1), t3 (3, 0), capacity 1
+    chosen = torch.tensor([[0, 1], [0, 2], [0, 1], [3, 0]])
+    assert capacity_keep(chosen, 4, 1).tolist() == [
+        [True, True],
+        [False, True],
+        [False, False],
+        [True, False],
+    ]
+    torch.manual_seed(3)
+    dense = MoE(HIDDEN, FFN, EXPERTS, K)
+    x = torch.randn(TOKENS, HIDDEN)
+    with torch.no_grad():
+        full = dense(x)
+        capped, kept = capped_moe(dense, x, expert_capacity(TOKENS, K, EXPERTS, 1.0))
+        experts, weights = route(dense.gate(x), K)
+        n_kept = kept.sum(dim=1)
+        assert {0, 1, 2} <= set(n_kept.tolist()), n_kept
+        for t in range(TOKENS):
+            slots = [j for j in range(K) if kept[t, j]]
+            want = sum(
+                (weights[t, j] * dense.experts[int(experts[t, j])](x[t]) for j in slots),
+                torch.zeros(HIDDEN),
+            )
+            assert torch.allclose(capped[t], want, atol=1e-6)
+            if len(slots) == K:
+                assert torch.allclose(capped[t], full[t], atol=1e-6)
+            elif slots:  # one slot of two: the other expert's weighted output, not zero
+                assert capped[t].abs().max() > 1e-3 and not torch.allclose(capped[t], full[t])
+            else:
+                assert capped[t].abs().max() == 0
+
+
+def test_route_without_normalising_keeps_the_probabilities() -> None:
+    torch.manual_seed(0)
+    logits = torch.randn(5, 6)
+    experts, weights = route(logits, k=2, normalize=False)
+    assert torch.allclose(weights, logits.softmax(-1).gather(1, experts))
+    assert (weights.sum(-1) < 1).all()

@@ -4,6 +4,16 @@
 one `all_to_all_single` with uneven splits. Every row the checker hands out is labelled with
 its source rank, its destination rank and its place, so a wrong answer is diagnosed from what
 arrived: input and output splits swapped, even splits, rows at the wrong rank, padding.
+
+`check_moe_forward` runs a learner's routing and combine (in the kernel: no communication) on
+cases where the classic mistakes give other numbers: top-k weights left unnormalised, or
+normalised for a model that does not; a token dropped whole when one of its slots is; the
+slots' outputs added in the order they were sorted by expert. Real layers differ in which slots
+a full expert drops and in whether the survivors' weights are renormalised; the exercise fixes
+one rule (GShard's order: first choices first, in token order; no renormalisation after the
+drop, as Megatron-core) and names the others' conventions when an answer follows one of them:
+token order for all slots (Megatron-core's drop_policy="position"), the heaviest slots kept
+(its default "probs"), renormalised after the drop (fairscale's and DeepSpeed's top-2 gates).
 """
 
 from __future__ import annotations
@@ -13,7 +23,15 @@ from typing import Any
 
 from labkit.exercises import OP_FAMILY, Verdict, reveal, right, run_on_ranks, wrong
 
-__all__ = ["check_token_exchange", "solution_token_exchange", "token_matrices"]
+__all__ = [
+    "check_moe_forward",
+    "check_token_exchange",
+    "moe_cases",
+    "moe_mistakes",
+    "solution_moe_forward",
+    "solution_token_exchange",
+    "token_matrices",
+]
 
 WIDTH = 4  # a row: source rank, destination rank, place in its block, a value
 _SEND_FIRST = (
@@ -187,4 +205,184 @@ def exchange(tokens, send_counts, rank, world_size):
         input_split_sizes=send_counts.tolist(),           # rows to each destination rank
     )
     return out
+""")
+
+
+# ---------------------------------------------------------------- routing and combine
+
+
+def moe_cases() -> list[dict[str, Any]]:
+    """Seeded cases (kernel side): 12 tokens, 4 experts (distinct nonlinear maps), top-2;
+    dropless and capped at 4 slots per expert, with and without renormalised weights. The capped
+    cases drop first choices under token order and second choices under slot order, leave
+    tokens with one slot of two and tokens with none."""
+    import torch
+
+    g = torch.Generator().manual_seed(35)
+    x = torch.randn(12, 4, generator=g)
+    logits = torch.randn(12, 4, generator=g) * 2
+    logits[:6, 0] += 4  # expert 0 is everyone's favourite: its capacity fills with first choices
+    mats = torch.randn(4, 4, 4, generator=g)
+    experts = [lambda h, m=m, e=e: torch.tanh(h @ m) + e for e, m in enumerate(mats)]
+    return [
+        dict(x=x, logits=logits, experts=experts, k=2, capacity=c, normalize=n)
+        for c in (4, None)  # capped first: its mistakes are named more precisely there
+        for n in (True, False)
+    ]
+
+
+def _topk(logits: Any, k: int, normalize: bool) -> tuple[Any, Any]:
+    weights, chosen = logits.softmax(dim=-1).topk(k, dim=-1)
+    return chosen, weights / weights.sum(dim=-1, keepdim=True) if normalize else weights
+
+
+def _keep(
+    chosen: Any, num_experts: int, capacity: int | None, token_major: bool, weights: Any = None
+) -> Any:
+    """Which slots an expert with room `capacity` keeps, filled slot-major (or token-major; or,
+    given `weights`, the heaviest slots first, as Megatron-core's drop_policy="probs")."""
+    import torch
+
+    keep = torch.ones_like(chosen, dtype=torch.bool)
+    if capacity is None:
+        return keep
+    used = [0] * num_experts
+    t_count, k = chosen.shape
+    order = [(t, j) for t in range(t_count) for j in range(k)]
+    if weights is not None:
+        order.sort(key=lambda tj: -float(weights[tj]))  # per expert: the largest weights kept
+    elif not token_major:
+        order.sort(key=lambda tj: (tj[1], tj[0]))  # every first choice, then every second
+    for t, j in order:
+        e = int(chosen[t, j])
+        keep[t, j] = used[e] < capacity
+        used[e] += int(keep[t, j])
+    return keep
+
+
+def _combine(case: dict, chosen: Any, weights: Any, keep: Any, sorted_order: bool = False):
+    import torch
+
+    x, k = case["x"], case["k"]
+    slot_out = torch.stack(
+        [case["experts"][int(e)](x[i // k]) for i, e in enumerate(chosen.flatten())]
+    )
+    slot_out = slot_out * (weights * keep).flatten()[:, None]
+    if sorted_order:  # grouped by expert, never put back in token order
+        slot_out = slot_out[torch.argsort(chosen.flatten(), stable=True)]
+    return slot_out.view(*chosen.shape, -1).sum(dim=1)
+
+
+def moe_mistakes(case: dict) -> dict[str, Any]:
+    """The right output ("right") and each classic mistake's output, for one case."""
+    k, cap, norm, num = case["k"], case["capacity"], case["normalize"], case["logits"].shape[1]
+    chosen, weights = _topk(case["logits"], k, norm)
+    keep = _keep(chosen, num, cap, token_major=False)
+    _, flipped = _topk(case["logits"], k, not norm)
+    out = {
+        "right": _combine(case, chosen, weights, keep),
+        "normalisation": _combine(case, chosen, flipped, keep),
+        "token order": _combine(case, chosen, weights, _keep(chosen, num, cap, token_major=True)),
+        "heaviest kept": _combine(
+            case, chosen, weights, _keep(chosen, num, cap, token_major=False, weights=weights)
+        ),
+        "renormalised after the drop": _combine(
+            case, chosen, weights / (weights * keep).sum(dim=1, keepdim=True).clamp_min(1e-30), keep
+        ),
+        "token dropped whole": _combine(
+            case, chosen, weights, keep & keep.all(dim=1, keepdim=True)
+        ),
+        "expert order": _combine(case, chosen, weights, keep, sorted_order=True),
+    }
+    return out
+
+
+_WHY = {
+    "normalisation": lambda c: (
+        "the top-k weights were not renormalised: this model divides them by their sum"
+        if c["normalize"]
+        else "the top-k weights were renormalised, but with normalize=False the model uses the "
+        "softmax probabilities of the chosen experts as they are (as Switch Transformer does)"
+    ),
+    "token order": lambda c: (
+        "capacity filled token by token (as Megatron-core's drop_policy='position' does), but "
+        "this exercise's rule is GShard's: every token's first choice served before any second "
+        "choice, so that late tokens do not lose their favourite expert to early second choices"
+    ),
+    "heaviest kept": lambda c: (
+        "each expert kept its slots of largest weight (Megatron-core's default "
+        "drop_policy='probs', a valid policy), but this exercise's rule is GShard's: first "
+        "choices before second choices, each in token order"
+    ),
+    "renormalised after the drop": lambda c: (
+        "the weights were renormalised over the slots that survived (fairscale's and "
+        "DeepSpeed's top-2 gates do that), but this exercise's model, as Megatron-core, keeps "
+        "the weights as routed: a dropped slot just contributes nothing"
+    ),
+    "token dropped whole": lambda c: (
+        "a token lost all its slots when one was dropped: with top-k it keeps the others' "
+        "weighted outputs; only a token whose k slots all drop is left with its residual alone"
+    ),
+    "expert order": lambda c: (
+        "the slots' outputs were added in the order they were sorted by expert: put them back "
+        "in token order (undo the sort) before adding each token's k slots"
+    ),
+}
+
+
+def check_moe_forward(fn: Callable[..., Any]) -> Verdict:
+    """`fn(x, logits, experts, k, capacity, normalize)` runs in the kernel and returns y
+    [tokens, hidden]: the top-k experts of softmax(logits) per token (weights renormalised to
+    sum to 1 when `normalize`), each expert keeping at most `capacity` slots (None: no limit)
+    with every token's first choice served before any second choice, and y the sum over a
+    token's kept slots of weight * experts[e](x[token])."""
+    import torch
+
+    for i, case in enumerate(moe_cases()):
+        what = f"case {i + 1} (capacity {case['capacity']}, normalize={case['normalize']})"
+        args = {n: case[n] for n in ("logits", "k", "capacity", "normalize")}
+        try:
+            got = fn(case["x"].clone(), experts=case["experts"], **args)
+        except Exception as err:  # the learner's code: any error is an answer to explain
+            return wrong(f"{what}: it raised {type(err).__name__}: {err}")
+        answers = moe_mistakes(case)
+        want = answers.pop("right")
+        if not isinstance(got, torch.Tensor) or got.shape != want.shape:
+            shape = tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__
+            return wrong(
+                f"{what}: returned {shape}, expected a tensor of shape {tuple(want.shape)}"
+            )
+        if torch.allclose(got.float(), want, atol=1e-5):
+            continue
+        for name, out in answers.items():
+            if torch.allclose(got.float(), out, atol=1e-5):
+                return wrong(f"{what}: {_WHY[name](case)}")
+        bad = int((got.float() - want).abs().amax(dim=1).argmax())
+        return wrong(f"{what}: token {bad}'s output is not the weighted sum of its kept slots")
+    return right(
+        "top-k, the weights as the model defines them, first choices served first, and each "
+        "token's kept slots added in token order"
+    )
+
+
+def solution_moe_forward() -> Any:
+    return reveal("""
+def moe_forward(x, logits, experts, k, capacity, normalize):
+    weights, chosen = logits.softmax(dim=-1).topk(k, dim=-1)   # [T, k] each
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    keep = torch.ones_like(chosen, dtype=torch.bool)
+    if capacity is not None:
+        used = [0] * logits.shape[1]
+        for j in range(k):                     # every first choice, then every second
+            for t in range(len(x)):
+                e = int(chosen[t, j])
+                keep[t, j] = used[e] < capacity
+                used[e] += int(keep[t, j])
+    y = torch.zeros_like(x)
+    for t in range(len(x)):                    # a dropped slot adds nothing; no renormalising
+        for j in range(k):
+            if keep[t, j]:
+                y[t] += weights[t, j] * experts[int(chosen[t, j])](x[t])
+    return y
 """)

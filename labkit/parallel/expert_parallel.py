@@ -40,15 +40,25 @@ goes there k times. Per rank r:
 - off rank = the same without the diagonal C[r][r]: the bytes that really leave the rank.
   With uniform routing E[off rank] = T*k*H*b * (n-1)/n: the all_to_all busbw factor;
 - count exchange = E * 8 bytes (int64 counts) per rank.
-Load imbalance = max over experts of the slots routed to it / their mean (1.0 is perfect);
-the busiest rank sets the step's time, and the combine buffer of that rank is the largest.
+Load: what sets a step's time is the busiest *rank*, whose experts' slots add up
+(`rank_loads`: slots per rank, the sum over its E/n experts), not the busiest expert. Load
+imbalance = max / mean (1.0 is perfect) of the per-rank loads for the step time, of the
+per-expert ones for how unevenly the gate routes; a hot expert beside a cold one on the same
+rank leaves the ranks balanced. The combine buffer of the busiest rank is the largest.
 
 Capacity: GShard/Switch-style layers cap each expert at C = ceil(factor * T*k / E) slots per
-source rank and drop the slots beyond it (the token keeps its residual path only). Then every
-split is exactly C per expert, padded: all_to_all with even splits and no count exchange, at
-E*C*H*b bytes per rank, and sum_e max(0, count_e - C) slots dropped. This module is dropless
-(uneven splits, nothing dropped); `expert_capacity`, `capacity_keep` and `dropped_slots` give
-the numbers a capped layer would have.
+source rank and drop the slots beyond it. Which slots drop, and whether the survivors'
+weights are renormalised, differs between implementations: fairscale's and DeepSpeed's top-2
+gates (after GShard) serve every first choice before any second choice and renormalise over
+the kept slots; Megatron-core keeps each expert's heaviest slots (drop_policy="probs", its
+default) or its earliest tokens ("position") and does not renormalise. Here: GShard's order
+(slot-major, `capacity_keep`), no renormalisation (`capped_moe`). A dropped slot contributes
+nothing, so a token that loses one of its k slots still gets the others' weighted outputs;
+only a token that loses all k keeps its residual path alone. Then every split can be exactly
+C per expert, padded: all_to_all with even splits and no count exchange, at E*C*H*b bytes per
+rank, and sum_e max(0, count_e - C) slots dropped. This module's layer is dropless (uneven splits,
+nothing dropped); `expert_capacity`, `capacity_keep`, `dropped_slots` and `capped_moe` give
+what a capped layer would do.
 """
 
 from __future__ import annotations
@@ -74,7 +84,9 @@ __all__ = [
     "capacity_keep",
     "dropped_slots",
     "expert_capacity",
+    "capped_moe",
     "load_imbalance",
+    "rank_loads",
     "route",
 ]
 
@@ -86,13 +98,16 @@ class Routing(NamedTuple):
     weights: torch.Tensor  # [T, k] renormalised gate weights, summing to 1 per token
 
 
-def route(logits: torch.Tensor, k: int) -> Routing:
-    """Top-k of softmax(logits) per token, weights renormalised over the k chosen experts."""
+def route(logits: torch.Tensor, k: int, normalize: bool = True) -> Routing:
+    """Top-k of softmax(logits) per token; with `normalize` the k weights are renormalised to
+    sum to 1 (Mixtral), without it they stay the softmax's probabilities (Switch, k = 1)."""
     if not 1 <= k <= logits.shape[-1]:
         raise ValueError(f"k must be in [1, {logits.shape[-1]}] (the number of experts), got {k}")
     probs = F.softmax(logits, dim=-1)
     weights, experts = probs.topk(k, dim=-1)
-    return Routing(experts, weights / weights.sum(dim=-1, keepdim=True))
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(experts, weights)
 
 
 class Expert(nn.Module):
@@ -241,11 +256,24 @@ def all_to_all_volume(
 
 
 def load_imbalance(slots_per_expert: list[int]) -> float:
-    """max / mean of the slots routed to each expert (1.0: every expert equally busy)."""
+    """max / mean of the slots routed to each expert (1.0: every expert equally busy): how
+    unevenly the gate routes. Given `rank_loads(...)` instead, the imbalance of the ranks,
+    which is what sets the step's time."""
     total = sum(slots_per_expert)
     if not slots_per_expert or total == 0:
         raise ValueError("load_imbalance needs at least one expert with a routed slot")
     return max(slots_per_expert) * len(slots_per_expert) / total
+
+
+def rank_loads(slots_per_expert: list[int], num_ranks: int) -> list[int]:
+    """Slots each rank's experts process: rank r holds experts [r*E/n, (r+1)*E/n)."""
+    num_experts = len(slots_per_expert)
+    if num_ranks < 1 or num_experts % num_ranks:
+        raise ValueError(
+            f"num_ranks must be >= 1 and divide the {num_experts} experts, got {num_ranks}"
+        )
+    local = num_experts // num_ranks
+    return [sum(slots_per_expert[r * local : (r + 1) * local]) for r in range(num_ranks)]
 
 
 def expert_capacity(tokens: int, k: int, num_experts: int, factor: float) -> int:
@@ -262,6 +290,24 @@ def capacity_keep(experts: torch.Tensor, num_experts: int, capacity: int) -> tor
     onehot = F.one_hot(flat, num_experts)
     position = (onehot.cumsum(dim=0) * onehot).sum(dim=1) - 1  # place in its expert's queue
     return (position < capacity).view(experts.shape[1], -1).t()
+
+
+def capped_moe(
+    moe: MoE, x: torch.Tensor, capacity: int, normalize: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A capped MoE layer in one process: (output [T, hidden], kept [T, k]).
+
+    Routes as `moe` does, keeps each expert's first `capacity` slots (`capacity_keep`) and adds
+    w_j * expert_{e_j}(x) over the kept slots only; the weights are not renormalised after
+    the drop. A token with every slot dropped gets 0 (its residual path alone)."""
+    experts, weights = route(moe.gate(x), moe.k, normalize)
+    kept = capacity_keep(experts, moe.num_experts, capacity)
+    out = torch.zeros_like(x)
+    for e, expert in enumerate(moe.experts):
+        token, slot = ((experts == e) & kept).nonzero(as_tuple=True)
+        if token.numel():
+            out = out.index_add(0, token, weights[token, slot, None] * expert(x[token]))
+    return out, kept
 
 
 def dropped_slots(slots_per_expert: list[int], capacity: int) -> int:

@@ -10,6 +10,24 @@ one all_reduce of a scalar. `clip_grad_norm_global` clips by it and equals the o
 clip; `clip_grad_norm_local` is the classic mistake: each rank clips by the norm of its own
 piece, so ranks scale by different factors. After `average_gradients` every rank holds the
 whole gradient, and its local norm already is the global one.
+
+Tensor parallelism adds a second mistake. Over t ranks a Megatron layer shards its weights, but
+some parameters are *replicated*: LayerNorm's weight and bias, the row-parallel layer's bias.
+Every rank holds the whole gradient of each of them (the same numbers), so summing every rank's
+squares counts them t times:
+
+    naive^2 = sum_r ||sharded_r||^2 + t * ||replicated||^2
+
+Pass them as `replicated` and they count once. Megatron does the same by hand (it skips the
+duplicates of parameters not sharded across tensor-parallel ranks on every rank but the first);
+torch's DTensor does it by placement: `torch.nn.utils.clip_grad_norm_` on DTensor parameters
+(FSDP2's `fully_shard`, `parallelize_module`) reduces Shard placements across ranks and takes a
+Replicate one once, so it already is the global norm over the DTensors' mesh. It refuses a mix
+of DTensors and plain tensors (a LayerNorm left out of the plan); across pipeline stages, or
+parameters on another mesh (expert parallelism's), torchtitan's own clip_grad_norm_ adds the
+missing reduction. All of this assumes a replicated parameter has the same gradient on every
+rank: under sequence parallelism a LayerNorm's gradient is a partial sum per rank until it is
+all-reduced over the tensor-parallel ranks (Megatron does so before the norm).
 """
 
 from __future__ import annotations
@@ -31,22 +49,34 @@ def _device(grads: Sequence[torch.Tensor]) -> torch.device:
     return grads[0].device if grads else torch.device("cpu")  # no gradients: nothing to follow
 
 
-def global_grad_norm(
-    params: Iterable[torch.Tensor], group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """L2 norm of a gradient split over ranks: sqrt(sum_r ||g_r||^2), g_r = this rank's pieces.
-
-    Runs on every rank; every rank must call it. Use it when each rank holds a disjoint part of
-    the gradient (ZeRO-2/3, FSDP, tensor parallel). After `average_gradients` every rank holds
-    the whole gradient, and its local norm already is the global one.
-    """
-    grads = _grads(params)
-    local_sq = sum(
+def _squares(grads: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
+    # float64: the sum of many float32 squares loses digits that the comparison needs
+    return sum(
         (g.detach().double().pow(2).sum() for g in grads),
-        torch.zeros((), dtype=torch.float64, device=_device(grads)),
+        torch.zeros((), dtype=torch.float64, device=device),
     )
-    dist.all_reduce(local_sq, group=group)
-    return local_sq.sqrt()
+
+
+def global_grad_norm(
+    params: Iterable[torch.Tensor],
+    group: dist.ProcessGroup | None = None,
+    replicated: Iterable[torch.Tensor] = (),
+) -> torch.Tensor:
+    """L2 norm of a gradient split over ranks: sqrt(sum_r ||g_r||^2 + ||replicated||^2).
+
+    Runs on every rank; every rank must call it. `params`: this rank's disjoint part of the
+    gradient (ZeRO-2/3, FSDP, the sharded weights of tensor parallelism). `replicated`: the
+    parameters every rank of `group` holds whole (tensor parallelism's LayerNorm and
+    row-parallel bias), counted once. After `average_gradients` every rank holds the whole
+    gradient, and its local norm already is the global one.
+
+    Example: `global_grad_norm(sharded, replicated=[*norm.parameters(), row.bias])`.
+    """
+    grads, shared = _grads(params), _grads(replicated)
+    device = _device(grads or shared)
+    total_sq = _squares(grads, device)
+    dist.all_reduce(total_sq, group=group)
+    return (total_sq + _squares(shared, device)).sqrt()
 
 
 def _scale(grads: Sequence[torch.Tensor], total_norm: torch.Tensor, max_norm: float) -> None:
@@ -60,17 +90,18 @@ def clip_grad_norm_global(
     params: Iterable[torch.Tensor],
     max_norm: float,
     group: dist.ProcessGroup | None = None,
+    replicated: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip this rank's gradient pieces by the global norm (`global_grad_norm`); returns that norm.
 
     Runs on every rank; every rank must call it. Equals torch's clip_grad_norm_ on the whole
-    gradient in one process.
+    gradient in one process. `replicated` parameters count once in the norm and are scaled too.
     """
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
-    params = list(params)
-    total = global_grad_norm(params, group)
-    _scale(_grads(params), total, max_norm)
+    params, replicated = list(params), list(replicated)
+    total = global_grad_norm(params, group, replicated)
+    _scale(_grads(params) + _grads(replicated), total, max_norm)
     return total
 
 
@@ -83,11 +114,6 @@ def clip_grad_norm_local(params: Iterable[torch.Tensor], max_norm: float) -> tor
     if max_norm <= 0:
         raise ValueError(f"max_norm must be > 0, got {max_norm}")
     grads = _grads(params)
-    total = torch.sqrt(
-        sum(
-            (g.detach().double().pow(2).sum() for g in grads),
-            torch.zeros((), dtype=torch.float64, device=_device(grads)),
-        )
-    )
+    total = _squares(grads, _device(grads)).sqrt()
     _scale(grads, total, max_norm)
     return total
