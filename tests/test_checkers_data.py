@@ -567,7 +567,7 @@ def z2_no_gather(param, grad, lr):  # steps its shard, never all-gathers
 
 
 def z2_gather_kept_apart(param, grad, lr):  # all-gathers, but never writes back into param
-    n, r = dist.get_world_size(), dist.get_rank()
+    n = dist.get_world_size()
     shard = z2_no_gather(param, grad, lr)
     c = shard.numel()
     whole = torch.zeros(n * c)
