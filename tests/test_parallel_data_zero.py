@@ -251,8 +251,8 @@ def test_fsdp2_peak_holds_gathered_units_and_unsharded_grads():
     counters. In backward, at the middle unit: its gathered weights U + its whole gradient U +
     the first unit prefetched U + the last unit's reduce-scatter in flight U + that
     reduce-scatter's output U/4 = 4U + U/4 = 1,118,464 bytes above the sharded weights and
-    Adam state, plus activations: at most 7 tensors of 1,024 bytes live (the 3 linear inputs
-    and 2 ReLU outputs saved, the gradient in flight and the one being made) and scalars.
+    Adam state, plus activations: at most 7 tensors of 1,024 bytes live (the 2 hidden
+    linear inputs and the output saved, gradients in flight and being made) and scalars.
     Every one of 3 backward passes peaks at least there; gloo frees some buffers from its own
     threads, so on a busy machine a pass can peak higher: the least of the 3 must match.
     The old claim (the peak is the table's 16·Psi/N) fails by more than a factor 2."""
