@@ -270,6 +270,10 @@ def test_bad_configs_say_what_is_wrong(kwargs, says):
         Config(**base)
 
 
+def test_whole_floats_are_taken_as_ints():
+    assert Model(7e9, 32, 4096, 32, 4096, global_batch=256) == LLM  # README's spelling
+
+
 def test_bad_plans_and_overheads_say_what_is_wrong():
     with pytest.raises(ValueError, match="not a multiple of dp"):
         plan(Model(10, 2, 8, 2, 4, global_batch=6), Config(4, 1, 1), 1e9)

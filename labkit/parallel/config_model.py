@@ -18,6 +18,9 @@ ATTENTION = ("sdpa", "eager")
 def _positive_ints(obj: object, names: tuple[str, ...]) -> None:
     for name in names:
         value = getattr(obj, name)
+        if isinstance(value, float) and value.is_integer():  # 7e9 parameters: a whole number
+            value = int(value)
+            object.__setattr__(obj, name, value)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an int >= 1, got {value!r}")
 
