@@ -26,8 +26,11 @@ allocator statistics; notebook 26 sets it beside the formula `fsdp_peak_bytes`.
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -260,16 +263,33 @@ class AllocationPeak:
         from torch.profiler import ProfilerActivity, profile
 
         self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-        self._prof.__enter__()
+        with _quiet_stderr():
+            self._prof.__enter__()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._prof.__exit__(*exc)
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
         running = peak = 0
         for _, size in sorted(_allocations(self._prof, self.device_type)):
             running += size
             peak = max(peak, running)
         self.peak, self.end = peak, running
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """fd 2 to /dev/null: kineto writes a "profiler_start" / "profiler_stop" line from C++ at
+    every start and stop, which would fill a notebook cell's output on every rank."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
 
 
 def _allocations(prof: Any, device_type: str) -> list[tuple[int, int]]:
