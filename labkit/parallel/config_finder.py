@@ -23,7 +23,8 @@ formula is one a notebook checks on the ranks or by hand (notebook 42 lists whic
 - tensor parallelism (notebook 32): per layer and micro-batch two all_reduces in forward (after
   attention and after the MLP) and two in backward, each of the layer's whole output
   b·s·h·e bytes; a ring all_reduce sends 2(t-1)/t of its buffer. With sequence parallelism
-  each all_reduce becomes an all_gather + a reduce_scatter of the same buffer: the same bytes;
+  each all_reduce becomes an all_gather + a reduce_scatter of the same buffer: the same bytes.
+  Recomputing a layer runs its forward again, collectives included: 6 a layer, not 4;
 - data parallelism (notebook 26): ZeRO-0 all_reduces the grads once per step; ZeRO-1
   reduce-scatters them once and all-gathers the weights once (the same bytes); ZeRO-2 must
   reduce-scatter every micro-batch's grads (it keeps no whole gradient to accumulate into).
@@ -37,7 +38,8 @@ formula is one a notebook checks on the ranks or by hand (notebook 42 lists whic
   Reduce-scatter and all-gather send (d-1)/d of the whole buffer on a ring (NCCL); gloo's
   reduce-scatter sends as much as its all-reduce, 2(d-1)/d (measured in notebook 26);
 - pipeline point-to-point: a stage sends each micro-batch's activation forward and its
-  gradient back, b·s·h·e bytes each (2·m of them for a middle stage, m for the ends).
+  gradient back, b·s·h·e bytes each (2·m of them for a middle stage, m for the ends; the
+  busiest stage is counted: m sends with 2 stages, 2·m with more).
 
 Recomputation costs about one more forward per layer: a third of forward + backward (the
 backward is about twice the forward), the figure notebook 37 measures.
@@ -93,7 +95,8 @@ def collective_calls(model: Model, config: Config) -> dict[str, list[tuple[str, 
 
     ZeRO-3 (FSDP2) with m micro-batches: 2m all-gathers + m reduce-scatters; m all-gathers
     with `reshard_after_forward=False`; 1 reduce-scatter with `sync_every_microbatch=False`
-    (`set_requires_gradient_sync(False)` on the first m-1 micro-batches)."""
+    (`set_requires_gradient_sync(False)` on the first m-1 micro-batches). TP: 4 all-reduces a
+    layer and micro-batch, 6 with recomputation (its forward runs twice)."""
     m = num_microbatches(model, config)
     e = model.element_size
     d, t, p = config.dp, config.tp, config.pp
@@ -109,13 +112,17 @@ def collective_calls(model: Model, config: Config) -> dict[str, list[tuple[str, 
     }
     act = model.micro_batch * model.seq_len * model.hidden * e
     layers = math.ceil(model.num_layers / p)
-    tp_calls = [("all_reduce", 4 * layers * m, act)]
+    per_layer = 6 if config.recompute else 4  # a recomputed forward repeats its 2 all_reduces
+    tp_calls = [("all_reduce", per_layer * layers * m, act)]
     if config.sequence_parallel:  # each all_reduce split into its two halves
-        tp_calls = [("all_gather", 4 * layers * m, act), ("reduce_scatter", 4 * layers * m, act)]
+        n = per_layer * layers * m
+        tp_calls = [("all_gather", n, act), ("reduce_scatter", n, act)]
     return {
         "dp": by_stage[config.zero] if d > 1 else [],
         "tp": tp_calls if t > 1 else [],
-        "pp": [("send", 2 * m, act)] if p > 1 else [],
+        # the busiest stage: a middle one sends each micro-batch's activation on and its
+        # gradient back (2m); with 2 stages each sends one of the two (m)
+        "pp": [("send", 2 * m if p > 2 else m, act)] if p > 1 else [],
     }
 
 

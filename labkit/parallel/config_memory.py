@@ -7,8 +7,12 @@ pipeline stage (the first under 1F1B, or the last when its logits weigh more):
 
 - `params`, `grads`, `optimizer`: the sharded model states (ZeRO stages, notebook 26);
 - `activations`: L/pp layers x micro-batches in flight (`step_memory.layer_activation_bytes`);
-- `logits`: the fp32 logits and their gradient, 2 · b·s·V·4 bytes, on the last stage, divided
-  by tp (a vocabulary-parallel loss: Megatron's, torch's `loss_parallel`);
+- `logits`: 3 · b·s·V·4 bytes on the last stage, divided by tp (a vocabulary-parallel loss:
+  Megatron's, torch's `loss_parallel`): `F.cross_entropy(logits.float(), y)` saves its fp32
+  log-softmax for backward, and backward holds it beside the fp32 gradients of the
+  log-probabilities and of the logits: three fp32 b·s·V tensors at once (measured from the
+  allocator's records in tests/test_config_finder.py and notebook 42; a fused or chunked
+  cross-entropy holds less);
 - `zero3_gathered` (ZeRO-3 / FSDP2): the unit being computed and the one prefetched, 2 layers'
   TP-local weights in the working dtype; every layer of the stage with
   `reshard_after_forward=False`;
@@ -43,6 +47,7 @@ __all__ = ["DDP_BUCKET_BYTES", "Memory", "Overheads", "memory_breakdown"]
 
 DDP_BUCKET_BYTES = 25 * 2**20  # DistributedDataParallel(bucket_cap_mb=25), its default
 LOGIT_BYTES = 4  # logits upcast to fp32 for the loss
+LOGIT_COPIES = 3  # the saved log-softmax + the gradients of the log-probs and of the logits
 
 
 @dataclass(frozen=True)
@@ -133,7 +138,7 @@ def memory_breakdown(model: Model, config: Config, overheads: Overheads) -> Memo
             return layers * in_flight * kept + full
         return layers * in_flight * full
 
-    logits = 2 * b * s * model.vocab * LOGIT_BYTES // t  # fp32 logits + their gradient
+    logits = LOGIT_COPIES * b * s * model.vocab * LOGIT_BYTES // t  # the loss's fp32 peak
     first, last = stage_activations(min(p, m)), stage_activations(1) + logits
     acts, logits = (first, 0) if p > 1 and first > last else (last - logits, logits)
 
