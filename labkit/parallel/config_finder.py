@@ -36,7 +36,10 @@ formula is one a notebook checks on the ranks or by hand (notebook 42 lists whic
   not re-sharded after forward (`reshard_after_forward=False`, `Config.reshard_after_forward`:
   m all-gathers, but every unit's unsharded weights held from forward to backward).
   Reduce-scatter and all-gather send (d-1)/d of the whole buffer on a ring (NCCL); gloo's
-  reduce-scatter sends as much as its all-reduce, 2(d-1)/d (measured in notebook 26);
+  reduce-scatter sends as much as its all-reduce, 2(d-1)/d (measured in notebook 26).
+  Gradients are reduced in the working dtype (e bytes); FSDP2 with
+  `MixedPrecisionPolicy(reduce_dtype=torch.float32)` (torchtitan's default) reduce-scatters
+  fp32, twice these bytes and twice the reduce-scatter buffer;
 - pipeline point-to-point: a stage sends each micro-batch's activation forward and its
   gradient back, b·s·h·e bytes each (2·m of them for a middle stage, m for the ends; the
   busiest stage is counted: m sends with 2 stages, 2·m with more).
