@@ -19,13 +19,19 @@ pipeline stage (the first under 1F1B, or the last when its logits weigh more):
 - `zero3_unsharded_grads`: a unit's whole gradient before its reduce-scatter; every unit's
   with gradient sync turned off for m-1 micro-batches;
 - `comm_buffers`: ZeRO-3's reduce-scatter input (a copy of one unit's gradient); for ZeRO 0-2
-  two gradient buckets (one in flight, one filling; DDP's `bucket_cap_mb` = 25 MB), which
-  assumes the gradients are views of DDP's buckets (`gradient_as_bucket_view=True`; with
-  the default False DDP keeps a second copy of every gradient in its buckets: add `grads`
-  again); a pipeline's send and receive buffers (one activation each);
+  an allowance of two gradient buckets (one in flight, one filling; DDP's `bucket_cap_mb`
+  = 25 MB) for a reducer that copies gradients into its own buckets chunk by chunk. DDP
+  itself does not: with `gradient_as_bucket_view=True` the gradients *are* its buckets and
+  are reduced in place (nothing more), with its default False it keeps a second copy of
+  every gradient in its buckets (add `grads` again); DeepSpeed's ZeRO-1/2 buckets are
+  `reduce_bucket_size` elements (set `Overheads.bucket_bytes`); a pipeline's send and
+  receive buffers (one activation each);
 - `cuda_context`: the CUDA context, cuBLAS workspaces and NCCL's own buffers, outside the
-  caching allocator (`Overheads.cuda_context`, assumed 1 GB: 0.5-1 GB is typical; measure
-  yours as `torch.cuda.mem_get_info()` lost after the first CUDA call and NCCL init);
+  caching allocator (`Overheads.cuda_context`, assumed 1 GB: 0.5-1 GB is typical for the
+  context; each NCCL communicator adds buffers of `NCCL_BUFFSIZE` (4 MB) per channel and
+  peer, so DP, TP and PP groups together can need more; measure yours as
+  `torch.cuda.mem_get_info()` lost after the first CUDA call and the groups' first
+  collectives);
 - `fragmentation`: the caching allocator's blocks it cannot reuse, a fraction of the tensors'
   bytes (`Overheads.fragmentation`, assumed 5 %; `torch.cuda.memory_reserved() -
   memory_allocated()` shows yours).
