@@ -506,6 +506,130 @@ def test_zero_bytes(fn, ok: bool, says: str) -> None:
     _verdict(zero_checks.check_zero_bytes, None, fn, ok, says)
 
 
+# ---------------------------------------------------------------- 26: a ZeRO-2 step (ranks)
+
+
+def z2_reference(param, grad, lr):
+    n, r = dist.get_world_size(), dist.get_rank()
+    c = -(-param.numel() // n)
+    padded = torch.zeros(n * c)
+    padded[: grad.numel()] = grad
+    shard = torch.empty(c)
+    dist.reduce_scatter_single(shard, padded)
+    shard /= n
+    whole = torch.zeros(n * c)
+    whole[: param.numel()] = param
+    dist.all_gather_single(whole, whole[r * c : (r + 1) * c] - lr * shard)
+    param.copy_(whole[: param.numel()])
+    return shard
+
+
+def z2_lists(param, grad, lr):  # the list forms, dividing first, an unpadded last shard
+    n, r = dist.get_world_size(), dist.get_rank()
+    c = -(-param.numel() // n)
+    pieces = list(torch.cat([grad / n, grad.new_zeros(n * c - grad.numel())]).split(c))
+    shard = torch.empty(c)
+    dist.reduce_scatter(shard, pieces)
+    whole = list(torch.cat([param, param.new_zeros(n * c - param.numel())]).split(c))
+    mine = whole[r] - lr * shard
+    dist.all_gather(whole, mine)
+    param.copy_(torch.cat(whole)[: param.numel()])
+    return shard[: max(0, min(c, param.numel() - r * c))]
+
+
+def z2_all_reduce(param, grad, lr):  # "ZeRO-2" that all-reduces the whole gradient
+    n, r = dist.get_world_size(), dist.get_rank()
+    c = -(-param.numel() // n)
+    g = grad.clone()
+    dist.all_reduce(g)
+    g /= n
+    padded = torch.zeros(n * c)
+    padded[: g.numel()] = g
+    shard = padded[r * c : (r + 1) * c].clone()
+    whole = torch.zeros(n * c)
+    whole[: param.numel()] = param
+    dist.all_gather_single(whole, whole[r * c : (r + 1) * c] - lr * shard)
+    param.copy_(whole[: param.numel()])
+    return shard
+
+
+def z2_no_gather(param, grad, lr):  # steps its shard, never all-gathers
+    n, r = dist.get_world_size(), dist.get_rank()
+    c = -(-param.numel() // n)
+    padded = torch.zeros(n * c)
+    padded[: grad.numel()] = grad
+    shard = torch.empty(c)
+    dist.reduce_scatter_single(shard, padded)
+    shard /= n
+    lo, hi = min(param.numel(), r * c), min(param.numel(), (r + 1) * c)
+    param[lo:hi] -= lr * shard[: hi - lo]
+    return shard
+
+
+def z2_gather_kept_apart(param, grad, lr):  # all-gathers, but never writes back into param
+    n = dist.get_world_size()
+    shard = z2_no_gather(param, grad, lr)
+    c = shard.numel()
+    whole = torch.zeros(n * c)
+    dist.all_gather_single(whole, shard)
+    return shard
+
+
+def z2_floor(param, grad, lr):  # shards of floor(numel / N): the tail never stepped
+    n, r = dist.get_world_size(), dist.get_rank()
+    c = param.numel() // n
+    shard = torch.empty(c)
+    dist.reduce_scatter_single(shard, grad[: n * c].contiguous())
+    shard /= n
+    whole = param[: n * c].clone()
+    dist.all_gather_single(whole, whole[r * c : (r + 1) * c] - lr * shard)
+    param[: n * c] = whole
+    return shard
+
+
+def z2_sum(param, grad, lr):  # reduce-scatters, forgets to divide by world_size
+    n, r = dist.get_world_size(), dist.get_rank()
+    c = -(-param.numel() // n)
+    padded = torch.zeros(n * c)
+    padded[: grad.numel()] = grad
+    shard = torch.empty(c)
+    dist.reduce_scatter_single(shard, padded)
+    whole = torch.zeros(n * c)
+    whole[: param.numel()] = param
+    dist.all_gather_single(whole, whole[r * c : (r + 1) * c] - lr * shard)
+    param.copy_(whole[: param.numel()])
+    return shard
+
+
+def z2_tensor_split(param, grad, lr):  # tensor_split's uneven pieces (3, 3, 2, 2 of 10)
+    n, r = dist.get_world_size(), dist.get_rank()
+    pieces = list(grad.tensor_split(n))
+    shard = torch.empty_like(pieces[r])
+    dist.reduce_scatter(shard, pieces)
+    shard /= n
+    whole = list(param.tensor_split(n))
+    dist.all_gather(whole, whole[r] - lr * shard)
+    param.copy_(torch.cat(whole))
+    return shard
+
+
+@pytest.mark.parametrize(
+    "fn, ok, says",
+    [
+        (z2_reference, True, "with reduce_scatter and all_gather"),
+        (z2_lists, True, "with reduce_scatter and all_gather"),
+        (z2_all_reduce, False, "ZeRO-1's memory, not ZeRO-2's"),
+        (z2_no_gather, False, "never called all_gather"),
+        (z2_gather_kept_apart, False, "the other ranks' shards were not all-gathered"),
+        (z2_floor, False, "shards of ceil(10 / 4) = 3"),
+        (z2_sum, False, "summed, not divided by world_size"),
+        (z2_tensor_split, False, "raised RuntimeError"),
+    ],
+)
+def test_zero2_step(lab, fn, ok: bool, says: str) -> None:
+    _verdict(zero_checks.check_zero2_step, lab, fn, ok, says)
+
+
 def test_solutions_are_accepted(lab) -> None:
     """Each revealed solution, run as a learner would paste it, passes its own checker."""
     names = {"torch": torch, "dist": dist, "os": os}
@@ -524,3 +648,6 @@ def test_solutions_are_accepted(lab) -> None:
     ns = {}
     exec(zero_checks.solution_zero_bytes().code, ns)
     assert zero_checks.check_zero_bytes(ns["zero_bytes"])
+    ns = dict(names)
+    exec(zero_checks.solution_zero2_step().code, ns)
+    assert zero_checks.check_zero2_step(lab, ns["zero2_step"])

@@ -15,12 +15,22 @@ the optimizer on that slice only, all_gather the slices. Communication equals on
 (= reduce_scatter + all_gather); the result equals the replicated optimizer step exactly,
 because Adam and SGD are elementwise. ZeRO-2 and ZeRO-3 by hand are in `zero_stages`; FSDP2
 (`fully_shard`) is PyTorch's ZeRO-3. `zero_traffic` gives each stage's collectives per step.
+
+16 Psi / N is what a ZeRO-3 rank holds *after* `step()`. Its peak, in backward, holds more:
+the unit being computed gathered whole, the next unit prefetched, the unit's whole gradient
+before its reduce-scatter and the previous unit's reduce-scatter still in flight (each a whole
+unit, U bytes), plus the activations. `AllocationPeak` measures that peak from the allocator's
+own records (torch.profiler, `profile_memory=True`), on CPU ranks too, where torch keeps no
+allocator statistics; notebook 26 sets it beside the formula `fsdp_peak_bytes`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Iterable
+import os
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -30,9 +40,11 @@ from torch import nn
 from labkit.parallel.layer_split import module_device
 
 __all__ = [
+    "AllocationPeak",
     "Zero1Optimizer",
     "adam_bytes_breakdown",
     "adam_bytes_per_param",
+    "fsdp_peak_bytes",
     "fully_shard_model",
     "measure_state_bytes",
     "zero_memory",
@@ -218,3 +230,83 @@ def fully_shard_model(model: nn.Module, mesh: Any = None) -> nn.Module:
             fully_shard(child, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
+
+
+def fsdp_peak_bytes(unit_bytes: int, world_size: int, activations: int) -> int:
+    """Bytes FSDP2 (ZeRO-3) allocates above its sharded weights and optimizer state at the
+    peak of a backward of units of `unit_bytes` each (padded, in the weights' dtype), once
+    3 or more units run: the unit computed (gathered), the next one prefetched, the unit's
+    whole gradient, the previous unit's reduce-scatter in flight (FSDP2 waits for it only
+    when it issues the next), that reduce-scatter's output shard, and `activations`."""
+    return 4 * unit_bytes + unit_bytes // world_size + activations
+
+
+class AllocationPeak:
+    """Peak bytes allocated on `device_type` inside the block, above what was allocated when
+    it began, from torch.profiler's allocation records (rank side; nothing collective).
+
+    `peak`: the highest running sum of allocations minus frees; `end`: that sum at the end.
+    It counts every tensor the block allocates (collective buffers, gradients, activations),
+    as the allocator reports them: on CPU ranks too, where torch keeps no allocator statistics
+    (on CUDA `torch.cuda.max_memory_allocated` gives the same view).
+
+        with AllocationPeak() as mem:
+            loss.backward()
+        mem.peak, mem.end
+    """
+
+    def __init__(self, device_type: str = "cpu") -> None:
+        self.device_type = device_type
+        self.peak = self.end = 0
+
+    def __enter__(self) -> AllocationPeak:
+        from torch.profiler import ProfilerActivity, profile
+
+        self._prof = profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+        with _quiet_stderr():
+            self._prof.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with _quiet_stderr():
+            self._prof.__exit__(*exc)
+        running = peak = 0
+        for _, size in sorted(_allocations(self._prof, self.device_type)):
+            running += size
+            peak = max(peak, running)
+        self.peak, self.end = peak, running
+
+
+@contextlib.contextmanager
+def _quiet_stderr() -> Iterator[None]:
+    """fd 2 to /dev/null: kineto writes a "profiler_start" / "profiler_stop" line from C++ at
+    every start and stop, which would fill a notebook cell's output on every rank."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    try:
+        with open(os.devnull, "w") as null:
+            os.dup2(null.fileno(), 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+
+
+def _allocations(prof: Any, device_type: str) -> list[tuple[int, int]]:
+    """(time in ns, bytes: + allocated, - freed) of the profiler's allocation events. The event
+    tree is torch's experimental API (2.x); feature-detected here, in one place."""
+    results = getattr(prof.profiler, "kineto_results", None)
+    tree = getattr(results, "experimental_event_tree", None)
+    if tree is None:
+        raise RuntimeError("this torch's profiler has no event tree; AllocationPeak needs one")
+    from torch._C._profiler import _EventType
+
+    out, stack = [], list(tree())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children)
+        if node.tag == _EventType.Allocation:
+            fields = node.extra_fields
+            if fields.device.type == device_type:
+                out.append((node.start_time_ns, fields.alloc_size))
+    return out
