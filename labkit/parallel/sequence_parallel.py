@@ -12,8 +12,10 @@ collectives:
 - after fc2 (row-parallel), a reduce_scatter of the partial sums along the sequence
   (`reduce_scatter_sequence`, g-bar): forward reduce_scatter, backward all_gather.
 
-A ring all_reduce *is* a reduce_scatter followed by an all_gather, so the bytes stay the same:
-each rank sends (n-1)/n·S for each of the two, 2(n-1)/n·S in all, as for one all_reduce of S.
+A ring all_reduce *is* a reduce_scatter followed by an all_gather, so in a ring (NCCL) the bytes
+stay the same: each rank sends (n-1)/n·S for each, 2(n-1)/n·S in all, as for one all_reduce.
+gloo's reduce_scatter sends 2(n-1)/n·S, as much as its all_reduce (measured with the OS's
+TCP counters), so on CPU ranks SP's pair sends 1.5x TP's all_reduce.
 The LayerNorm weights and fc2's bias stay replicated but now see only `s/n` positions per rank,
 so their gradients are partial sums: `sync_replicated_grads` all_reduces them over the group.
 
@@ -366,7 +368,8 @@ def sp_comm_bytes(batch: int, seq: int, dim: int, n: int, elem: int = 4) -> dict
     """Per forward of the block: S = b·s·h·elem, the TP region's activation in bytes.
 
     TP alone: one all_reduce of S, each rank sending 2(n-1)/n·S. TP + SP: an all_gather and a
-    reduce_scatter, each of S as nccl-tests counts it, each rank sending (n-1)/n·S for each.
+    reduce_scatter, each of S as nccl-tests counts it, each rank sending (n-1)/n·S for each in
+    a ring (NCCL); gloo's reduce_scatter sends 2(n-1)/n·S instead.
     """
     s = batch * seq * dim * elem
     return {
