@@ -82,24 +82,29 @@ def _two_d_rank(rank: int, world_size: int) -> dict:
     # FSDP2 with 4 micro-batches: the collectives of one step, per configuration
     out["micro"] = {}
     rows = batch_rows(BATCH, dp_rank, 2)
-    for cell, (sync, reshard) in enumerate(((True, True), (False, True), (False, False)), 10):
+    configs = ((True, True, True), (False, True, True), (False, False, True), (False, True, False),
+               (False, False, False))  # fmt: skip
+    for cell, (sync, reshard, rab) in enumerate(configs, 10):
         m2 = parallelize_2d(_digits_model(0), mesh, reshard_after_forward=reshard)
         opt2 = torch.optim.SGD(m2.parameters(), lr=LR)
         trace.begin_cell(cell, rank)
-        accumulate_step(m2, opt2, X[rows], y[rows], 4, sync_every_microbatch=sync)
+        accumulate_step(
+            m2, opt2, X[rows], y[rows], 4, sync_every_microbatch=sync, reshard_every_backward=rab
+        )
         recs = trace.records(cell)
-        out["micro"][(sync, reshard)] = {
+        out["micro"][(sync, reshard, rab)] = {
             op: sum(r.op == op and r.group == out["groups"]["dp"] for r in recs)
             for op in ("all_gather_single", "reduce_scatter_single")
         }
-        if (sync, reshard) == (True, True):  # equal to the whole batch in one process
+        if (sync, reshard, rab) in ((True, True, True), (False, False, False)):
             ref2 = _digits_model(0)
             train_step(ref2, torch.optim.SGD(ref2.parameters(), lr=LR), X[:BATCH], y[:BATCH])
             full = dict(ref2.named_parameters())
             out["micro err"] = max(
-                (p.to_local() - local_piece(p, full[n].detach())).abs().max().item()
-                for n, p in m2.named_parameters()
-            )
+                out.get("micro err", 0.0),
+                *((p.to_local() - local_piece(p, full[n].detach())).abs().max().item()
+                  for n, p in m2.named_parameters()),
+            )  # fmt: skip
     return out
 
 
@@ -180,13 +185,17 @@ def test_fsdp2_collectives_per_microbatch(ranks: list[dict]) -> None:
     ag, rs = "all_gather_single", "reduce_scatter_single"
     for res in ranks:
         assert res["micro err"] < 1e-6
-        for (sync, reshard), got in res["micro"].items():
-            want = fsdp_step_collectives(2, 4, sync, reshard)
-            assert got == {ag: want["all_gather"], rs: want["reduce_scatter"]}, (sync, reshard)
-        # by hand: 2 units, 4 micro-batches: 16 + 8; sync once: 16 + 2; stay gathered: 8 + 2
-        assert res["micro"][(True, True)] == {ag: 16, rs: 8}
-        assert res["micro"][(False, True)] == {ag: 16, rs: 2}
-        assert res["micro"][(False, False)] == {ag: 8, rs: 2}
+        for (sync, reshard, rab), got in res["micro"].items():
+            want = fsdp_step_collectives(2, 4, sync, reshard, rab)
+            assert got == {ag: want["all_gather"], rs: want["reduce_scatter"]}, (sync, reshard, rab)
+        # by hand, 2 units, 4 micro-batches: 16 + 8; sync once: 16 + 2; stay gathered from
+        # forward to backward: 8 + 2; from backward to the next forward: (1 + 4)·2 + 2; both:
+        # one gather per unit and step, 2 + 2 (DDP's traffic pattern, with its memory)
+        assert res["micro"][(True, True, True)] == {ag: 16, rs: 8}
+        assert res["micro"][(False, True, True)] == {ag: 16, rs: 2}
+        assert res["micro"][(False, False, True)] == {ag: 8, rs: 2}
+        assert res["micro"][(False, True, False)] == {ag: 10, rs: 2}
+        assert res["micro"][(False, False, False)] == {ag: 2, rs: 2}
 
 
 def test_axis_of_never_raises() -> None:
@@ -200,6 +209,10 @@ def test_axis_of_never_raises() -> None:
 
 def test_fsdp_step_collectives_errors() -> None:
     assert fsdp_step_collectives(3, 1) == {"all_gather": 6, "reduce_scatter": 3}
+    assert fsdp_step_collectives(1, 3, False, False, False) == {
+        "all_gather": 1,
+        "reduce_scatter": 1,
+    }
     with pytest.raises(ValueError, match="must be >= 1"):
         fsdp_step_collectives(1, 0)
 

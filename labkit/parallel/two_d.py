@@ -19,7 +19,9 @@ With m micro-batches per step (gradient accumulation), FSDP2 does this per micro
 all_gathers + m reduce_scatters per unit, unless the first m-1 skip the gradient sync
 (`set_requires_gradient_sync(False)`: one reduce_scatter per step) and/or the unit stays
 gathered between forward and backward (`reshard_after_forward=False`: m all_gathers, more
-memory). `fsdp_step_collectives` counts them.
+memory), and/or stays gathered from one micro-batch's backward to the next one's forward
+(`set_reshard_after_backward(False)` on the first m-1: one all_gather fewer per micro-batch
+after the first). `fsdp_step_collectives` counts them.
 Every function here that communicates must be called by every rank of the mesh.
 """
 
@@ -135,17 +137,22 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
 def accumulate_step(
     model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
     microbatches: int, sync_every_microbatch: bool = True,
+    reshard_every_backward: bool = True,
 ) -> torch.Tensor:  # fmt: skip
     """One step of `microbatches` forward + backward passes (gradient accumulation, each loss
     divided by m), then the optimizer; returns the mean loss. With `sync_every_microbatch`
     False, FSDP2 reduce-scatters only the last micro-batch's gradients
-    (`set_requires_gradient_sync`), the first m-1 accumulate unsharded. Every rank of the
-    mesh must call it."""
+    (`set_requires_gradient_sync`), the first m-1 accumulate unsharded. With
+    `reshard_every_backward` False, only the last backward reshards the weights
+    (`set_reshard_after_backward`): the next micro-batch's forward finds them gathered. Every
+    rank of the mesh must call it."""
     opt.zero_grad()
     losses = []
     for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
         if not sync_every_microbatch:
             model.set_requires_gradient_sync(i == microbatches - 1)
+        if not reshard_every_backward:
+            model.set_reshard_after_backward(i == microbatches - 1)
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
             loss = F.cross_entropy(model(xs), ys) / microbatches
@@ -153,6 +160,8 @@ def accumulate_step(
         losses.append(loss.detach())
     if not sync_every_microbatch:
         model.set_requires_gradient_sync(True)
+    if not reshard_every_backward:
+        model.set_reshard_after_backward(True)
     opt.step()
     return torch.stack(losses).sum()
 
@@ -188,17 +197,19 @@ def fsdp_unit_bytes(shapes: list[tuple[int, ...]], tp_dims: list[int | None], tp
 
 def fsdp_step_collectives(
     num_units: int, microbatches: int, sync_every_microbatch: bool = True,
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool = True, reshard_every_backward: bool = True,
 ) -> dict[str, int]:  # fmt: skip
     """FSDP2's collectives on the dp axis per step of `microbatches` forward + backward passes:
     {"all_gather": ..., "reduce_scatter": ...} over `num_units` units (each holding
-    parameters). Each micro-batch's forward gathers each unit; its backward gathers it again
-    when forward resharded it; each synced backward reduce-scatters its gradients."""
+    parameters). Each micro-batch's forward gathers each unit, unless the previous backward
+    left it gathered (`reshard_every_backward` False); its backward gathers it again when
+    forward resharded it; each synced backward reduce-scatters its gradients."""
     if num_units < 1 or microbatches < 1:
         raise ValueError(
             f"num_units and microbatches must be >= 1, got {num_units}, {microbatches}"
         )
-    gathers = microbatches * (2 if reshard_after_forward else 1)
+    forward_gathers = microbatches if reshard_every_backward else 1
+    gathers = forward_gathers + (microbatches if reshard_after_forward else 0)
     syncs = microbatches if sync_every_microbatch else 1
     return {"all_gather": num_units * gathers, "reduce_scatter": num_units * syncs}
 
