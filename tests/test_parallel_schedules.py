@@ -204,14 +204,14 @@ def test_schedule_equals_unsplit_model_and_runs_torchs_order(
 
 
 def _bubbles_rank(rank: int, world_size: int) -> dict:
-    res = _schedules_rank(rank, world_size, 2, SLEEP_S, 2)
+    res = _schedules_rank(rank, world_size, 2, SLEEP_S, 3)
     return {s: res[s]["runs"] for s in CHUNKS_PER_RANK}
 
 
 @pytest.mark.timeout(240)
 def test_measured_bubbles_follow_the_formulas(load: list) -> None:
     """2 ranks, m = 2, sleeps of 80 ms per rank's F, B and W. The time between ops (torch's
-    bookkeeping, messages, waiting for a core) counts as idle, so the better of two runs lies
+    bookkeeping, messages, waiting for a core) counts as idle, so the best of three runs lies
     in [formula - 0.05, formula + HIGH] (a sleep that overshoots stretches an op either way).
     HIGH is 0.12 on a quiet machine; with every core saturated the ops' CPU work waits for a
     core, so 0.25 (a pipeline that did not overlap its stages would idle 0.5). Interleaving
