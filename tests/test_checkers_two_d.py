@@ -59,6 +59,20 @@ def grads_over_tp(unit_bytes, activation_bytes, dp, tp):
     }
 
 
+def gloo_reduce_scatter(unit_bytes, activation_bytes, dp, tp):
+    return {
+        "dp": 4 * sum(unit_bytes) * (dp - 1) / dp,
+        "tp": 2 * (tp - 1) / tp * activation_bytes,
+    }
+
+
+def tp_both_passes(unit_bytes, activation_bytes, dp, tp):
+    return {
+        "dp": 3 * sum(unit_bytes) * (dp - 1) / dp,
+        "tp": 2 * 2 * (tp - 1) / tp * activation_bytes,
+    }
+
+
 @pytest.mark.parametrize(
     "fn, ok, says",
     [
@@ -71,6 +85,8 @@ def grads_over_tp(unit_bytes, activation_bytes, dp, tp):
         (swapped, False, "the axes' sizes are swapped"),
         (whole_world, False, "the whole world is no axis"),
         (grads_over_tp, False, "the gradients are reduced over the tp axis"),
+        (gloo_reduce_scatter, False, "that is gloo's reduce_scatter"),
+        (tp_both_passes, False, "the tp all_reduce runs once, in forward"),
         (lambda u, a, dp, tp: (1, 2), False, "raised TypeError"),
     ],
 )
