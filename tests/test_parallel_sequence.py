@@ -180,7 +180,7 @@ def _sp_rank(rank: int, world_size: int) -> dict:
     ):
         inp = inp.clone().requires_grad_()
         runs = []
-        for _ in range(3):  # the least of 3: a TCP retransmission on a busy host adds bytes
+        for _ in range(3):  # the least of 3 (socket_bytes leaves retransmissions out anyway)
             dist.barrier()
             with measure() as wire:
                 block(inp)
