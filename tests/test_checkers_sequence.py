@@ -70,6 +70,77 @@ def test_gather_sequence(lab, fn, ok: bool, says: str) -> None:
     assert says in verdict.message, verdict
 
 
+def scatter_movedim(partial, rank, world_size):
+    first = partial.movedim(1, 0).contiguous()
+    out = first.new_empty((first.shape[0] // world_size, *first.shape[1:]))
+    dist.reduce_scatter_single(out, first)
+    return out.movedim(0, 1)
+
+
+def scatter_list(partial, rank, world_size):
+    out = torch.empty_like(partial.chunk(world_size, dim=1)[rank]).contiguous()
+    dist.reduce_scatter(out, [c.contiguous() for c in partial.chunk(world_size, dim=1)])
+    return out
+
+
+def scatter_by_all_reduce(partial, rank, world_size):
+    total = partial.clone()
+    dist.all_reduce(total)
+    return total.chunk(world_size, dim=1)[rank]
+
+
+def scatter_whole(partial, rank, world_size):
+    total = partial.clone()
+    dist.all_reduce(total)
+    return total
+
+
+def scatter_dim0(partial, rank, world_size):
+    out = partial.new_empty((partial.shape[0] // world_size, *partial.shape[1:]))
+    dist.reduce_scatter_single(out, partial.contiguous())
+    return out
+
+
+def scatter_mean(partial, rank, world_size):
+    return scatter_movedim(partial, rank, world_size) / world_size
+
+
+def scatter_avg_op(partial, rank, world_size):
+    first = partial.movedim(1, 0).contiguous()
+    out = first.new_empty((first.shape[0] // world_size, *first.shape[1:]))
+    dist.reduce_scatter_single(out, first, op=dist.ReduceOp.AVG)
+    return out.movedim(0, 1)
+
+
+def scatter_no_reduce(partial, rank, world_size):
+    return partial.chunk(world_size, dim=1)[rank]
+
+
+@pytest.mark.parametrize(
+    "fn, ok, says",
+    [
+        (scatter_movedim, True, "after one reduce_scatter"),
+        (scatter_list, True, "after one reduce_scatter"),
+        (scatter_by_all_reduce, False, "right tensor, but rank 0 called ['all_reduce']"),
+        (scatter_whole, False, "returned the whole sum, as an all_reduce does"),
+        (scatter_dim0, False, "scattered along dim 0, the batch"),
+        (scatter_mean, False, "it averaged"),
+        (scatter_avg_op, False, "it averaged"),
+        (scatter_no_reduce, False, "only this rank's own partial sum"),
+    ],
+)
+def test_scatter_sequence(lab, fn, ok: bool, says: str) -> None:
+    verdict = sp.check_scatter_sequence(lab, fn)
+    assert bool(verdict) is ok, verdict
+    assert says in verdict.message, verdict
+
+
+def test_scatter_sequence_solution(lab) -> None:
+    ns = {"dist": dist, "torch": torch}
+    exec(sp.solution_scatter_sequence().code, ns)
+    assert sp.check_scatter_sequence(lab, ns["scatter_sequence"])
+
+
 def test_gather_sequence_solution(lab) -> None:
     ns = {"dist": dist, "torch": torch}
     exec(sp.solution_gather_sequence().code, ns)

@@ -51,6 +51,28 @@ def whole_world(unit_bytes, activation_bytes, dp, tp):
     return {"dp": 3 * sum(unit_bytes) * (n - 1) / n, "tp": 2 * (n - 1) / n * activation_bytes}
 
 
+def grads_over_tp(unit_bytes, activation_bytes, dp, tp):
+    u = sum(unit_bytes)
+    return {
+        "dp": 2 * u * (dp - 1) / dp + u * (tp - 1) / tp,
+        "tp": 2 * (tp - 1) / tp * activation_bytes,
+    }
+
+
+def gloo_reduce_scatter(unit_bytes, activation_bytes, dp, tp):
+    return {
+        "dp": 4 * sum(unit_bytes) * (dp - 1) / dp,
+        "tp": 2 * (tp - 1) / tp * activation_bytes,
+    }
+
+
+def tp_both_passes(unit_bytes, activation_bytes, dp, tp):
+    return {
+        "dp": 3 * sum(unit_bytes) * (dp - 1) / dp,
+        "tp": 2 * 2 * (tp - 1) / tp * activation_bytes,
+    }
+
+
 @pytest.mark.parametrize(
     "fn, ok, says",
     [
@@ -61,7 +83,10 @@ def whole_world(unit_bytes, activation_bytes, dp, tp):
         (traced_not_sent, False, "not what a rank sends"),
         (all_reduce_like_gather, False, "an all_reduce sends 2(n-1)/n"),
         (swapped, False, "the axes' sizes are swapped"),
-        (whole_world, False, "got dp=86490, tp=3840; expected dp=57660, tp=2560"),
+        (whole_world, False, "the whole world is no axis"),
+        (grads_over_tp, False, "the gradients are reduced over the tp axis"),
+        (gloo_reduce_scatter, False, "that is gloo's reduce_scatter"),
+        (tp_both_passes, False, "the tp all_reduce runs once, in forward"),
         (lambda u, a, dp, tp: (1, 2), False, "raised TypeError"),
     ],
 )

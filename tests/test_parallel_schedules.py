@@ -21,7 +21,9 @@ from labkit.parallel.pipeline_schedules import (
     measured_bubble,
     simulate,
     simulated_bubble,
+    tick_bubble,
     torch_orders,
+    torch_tick_table,
     zero_bubble_fraction,
 )
 
@@ -73,6 +75,37 @@ def test_simulated_bubbles_equal_the_formulas(p: int, v: int) -> None:
             got = simulated_bubble(torch_orders("zero_bubble", p, m, v), p * v, chunk)
             assert got == pytest.approx(zero_bubble_fraction(p, m, v, times))
             assert got < bubble_fraction(p, m, v)  # the W's fill part of the bubble
+
+
+@pytest.mark.parametrize("p, m", [(2, 2), (2, 4), (3, 6), (4, 4), (4, 8)])
+def test_torchs_own_ticks_agree_and_zero_bubble_still_idles(p: int, m: int) -> None:
+    """torch's planned tick tables (None = an idle tick) against the formula with one tick per
+    chunk's F, B or W, and against `simulate` of the same actions: three routes, one number."""
+    tables = {"zero_bubble": torch_tick_table("zero_bubble", p, m)}
+    if m >= 2 * p - 1:
+        tables["zbv"] = torch_tick_table("zbv", p, m)
+    for schedule, table in tables.items():
+        ops = {r: [a for a in ticks if a is not None] for r, ticks in table.items()}
+        want = zero_bubble_fraction(p, m, 2, (2, 2, 2))
+        assert tick_bubble(table) == pytest.approx(want), schedule
+        assert simulated_bubble(ops, 2 * p, (1, 1, 1)) == pytest.approx(want), schedule
+        # idle: (p-1) ticks per rank on average, so never zero, and below interleaved 1F1B's
+        span = max(len(t) for t in table.values())
+        assert p * span - sum(len(o) for o in ops.values()) == p * (p - 1)
+        assert 0 < tick_bubble(table) < bubble_fraction(p, m, 2)
+    # the old text's "1F1B idles (p-1)(tf+tb+tw)/v" is interleaved 1F1B's: plain 1F1B idles v
+    # times longer
+    run = simulate(torch_orders("1f1b", p, m), p, (1.0, 1.0, 1.0))
+    idle = max(o[5] for o in run) - m * 3.0
+    assert idle == pytest.approx((p - 1) * 3.0) and idle != pytest.approx((p - 1) * 3.0 / 2)
+
+
+def test_tick_table_errors() -> None:
+    with pytest.raises(ValueError, match="schedule must be one of"):
+        torch_tick_table("1f1b", 2, 4)
+    with pytest.raises(ValueError, match="at least 2p-1 = 3"):
+        torch_tick_table("zbv", 2, 2)
+    assert tick_bubble({0: ["F", None], 1: ["F"]}) == 0.5
 
 
 def test_zero_bubble_gains_nothing_without_a_weight_gradient() -> None:
@@ -171,14 +204,14 @@ def test_schedule_equals_unsplit_model_and_runs_torchs_order(
 
 
 def _bubbles_rank(rank: int, world_size: int) -> dict:
-    res = _schedules_rank(rank, world_size, 2, SLEEP_S, 2)
+    res = _schedules_rank(rank, world_size, 2, SLEEP_S, 3)
     return {s: res[s]["runs"] for s in CHUNKS_PER_RANK}
 
 
 @pytest.mark.timeout(240)
 def test_measured_bubbles_follow_the_formulas(load: list) -> None:
     """2 ranks, m = 2, sleeps of 80 ms per rank's F, B and W. The time between ops (torch's
-    bookkeeping, messages, waiting for a core) counts as idle, so the better of two runs lies
+    bookkeeping, messages, waiting for a core) counts as idle, so the best of three runs lies
     in [formula - 0.05, formula + HIGH] (a sleep that overshoots stretches an op either way).
     HIGH is 0.12 on a quiet machine; with every core saturated the ops' CPU work waits for a
     core, so 0.25 (a pipeline that did not overlap its stages would idle 0.5). Interleaving
@@ -197,4 +230,6 @@ def test_measured_bubbles_follow_the_formulas(load: list) -> None:
             measured_bubble(a + b) for a, b in zip(ranks[0][schedule], ranks[1][schedule])
         )
         assert formula - 0.05 <= got[schedule] <= formula + high, (schedule, got, want)
+    print(load or "idle", {s: round(g, 3) for s, g in got.items()})
     assert got["1f1b"] > max(got["interleaved_1f1b"], got["zero_bubble"]), got
+    assert got["interleaved_1f1b"] > got["zero_bubble"], got

@@ -29,6 +29,30 @@ def test_counts_a_loopback_exchange_exactly():
     assert wire.sent == wire.received == 301_234
 
 
+def test_counts_bytes_still_queued():
+    """Bytes written while the peer does not read stay queued in the kernel (not yet transmitted):
+    they are counted when written, as a call that returned has sent them."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen()
+    with srv, socket.create_connection(srv.getsockname()) as c:
+        a, _ = srv.accept()
+        with a:
+            c.setblocking(False)
+            chunk, written = b"z" * (1 << 20), 0
+            with socket_bytes.measure() as wire:
+                try:
+                    for _ in range(64):  # until the buffers on both ends are full
+                        written += c.send(chunk)
+                except BlockingIOError:
+                    pass
+            c.setblocking(True)
+            got = 0
+            while got < written:
+                got += len(a.recv(1 << 20))
+    assert written > 0 and wire.sent == written, (written, wire)
+
+
 def test_leaves_out_excluded_ports():
     srv = socket.socket()
     srv.bind(("127.0.0.1", 0))

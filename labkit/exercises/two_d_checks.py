@@ -5,7 +5,9 @@ rank sends per training step on the dp axis (FSDP2: two all_gathers and one redu
 each unit's TP-local weights) and on the tp axis (one all_reduce of the row-parallel output),
 over several mesh shapes and sizes. The usual slips are named: one all_gather per unit, the
 buffer S instead of what a rank sends, the all_gather factor for an all_reduce, the axes'
-sizes swapped.
+sizes (the mesh dims) swapped, the gradients reduced over the tp axis instead of dp, the
+whole world's size for an axis's, gloo's reduce_scatter bytes for the ring's, the tp all_reduce
+counted in backward too. One micro-batch per step (with m, FSDP2 does it all m times).
 """
 
 from __future__ import annotations
@@ -44,6 +46,21 @@ def _slips(units: list[int], act: int, dp: int, tp: int) -> dict[str, tuple[floa
         ),
         "the axes' sizes are swapped: the dp traffic runs in groups of dp ranks, the tp "
         "traffic in groups of tp ranks": (3 * u * (tp - 1) / tp, 2 * (dp - 1) / dp * act),
+        "the gradients are reduced over the tp axis: the ranks of a tp group hold different "
+        "slices of the weights, the ranks of a dp group the same slice, so the reduce_scatter "
+        "runs in the dp group": (2 * u * (dp - 1) / dp + u * (tp - 1) / tp, want_tp),
+        "that is gloo's reduce_scatter, which sends as much as an all_reduce: the exercise asks "
+        "for the ring (NCCL's algorithms), where it sends (n-1)/n of its buffer": (
+            4 * u * (dp - 1) / dp,
+            want_tp,
+        ),
+        "the tp all_reduce runs once, in forward: the MLP's input is data, so backward has no "
+        "dL/dx to sum": (want_dp, 2 * want_tp),
+        "the whole world is no axis: each collective runs in the groups of one axis, of dp or "
+        "tp ranks, not dp·tp": (
+            3 * u * (dp * tp - 1) / (dp * tp),
+            2 * (dp * tp - 1) / (dp * tp) * act,
+        ),
     }
 
 

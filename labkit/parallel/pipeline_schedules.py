@@ -11,11 +11,13 @@ Zero bubble splits each backward in two: B, the gradient with respect to the chu
 nobody waits for). A schedule can run B early and slot the W's into the time a rank would
 otherwise idle. With per-rank times tf, tb, tw for the F, B and W of a micro-batch (each chunk
 doing 1/v of them), torch's `ScheduleInterleavedZeroBubble` idles (p-1)(tf+tb-tw)/v per step
-where 1F1B idles (p-1)(tf+tb+tw)/v (`zero_bubble_fraction`; checked against `simulate` of
-torch's own order for p = 2-4, m a multiple of p, tw <= tf): the W's fill 2(p-1)tw/v of the
-bubble, and with tw = 0 nothing is gained. torch 2.13 ships both, `ScheduleInterleaved1F1B`
-and `ScheduleInterleavedZeroBubble` in `torch.distributed.pipelining` (with
-`ScheduleZBVZeroBubble`, `ScheduleDualPipeV` and `ScheduleLoopedBFS`).
+where interleaved 1F1B idles (p-1)(tf+tb+tw)/v and plain 1F1B (v = 1) (p-1)(tf+tb+tw)
+(`zero_bubble_fraction`; checked against `simulate` of torch's own order for p = 2-4, m a
+multiple of p, tw <= tf, and against the idle ticks torch itself plans, `torch_tick_table`):
+the W's fill 2(p-1)tw/v of the bubble, and with tw = 0 nothing is gained. So "zero bubble"
+still has a bubble; torch's `ScheduleZBVZeroBubble` plans the same idle ticks on these sizes.
+Qi et al. (2023) get near zero with ZB-H2, at more memory (more micro-batches' activations
+in flight). torch 2.13 also has `ScheduleDualPipeV` and `ScheduleLoopedBFS`.
 
 - `SleepChunk`: one chunk of a model (Linear + Tanh) whose forward, input gradient and weight
   gradient each also take a fixed time (a sleep: compute that needs no core, so ranks really
@@ -50,7 +52,9 @@ __all__ = [
     "measured_bubble",
     "simulate",
     "simulated_bubble",
+    "tick_bubble",
     "torch_orders",
+    "torch_tick_table",
     "zero_bubble_fraction",
 ]
 
@@ -269,28 +273,81 @@ def torch_orders(schedule: str, num_ranks: int, num_microbatches: int, v: int = 
     return _pipeline_order(schedule, num_ranks, num_microbatches, v)
 
 
-def _pipeline_order(schedule: str, p: int, m: int, v: int) -> dict:
+def _planner(class_name: str, p: int, m: int, v: int):
+    """One of torch's schedule objects with only its planning state (no stages, no groups)."""
     import torch.distributed.pipelining as pp
 
-    cls = getattr(pp, TORCH_SCHEDULES[schedule][0])
-    runner = cls.__new__(cls)  # its planning only, without the stages and groups of a real run
+    cls = getattr(pp, class_name)
+    runner = cls.__new__(cls)
     runner.pp_group_size, runner.n_local_stages, runner._n_microbatches = p, v, m
     runner.number_of_rounds = max(1, m // p)
     runner.microbatches_per_round = m // runner.number_of_rounds
-    runner._num_stages = p * v
+    runner._num_stages = runner.num_stages = p * v
     if m % runner.number_of_rounds:
-        raise ValueError(f"{schedule} needs m to be a multiple of {runner.number_of_rounds}")
-    kinds = {"F": "F", "I": "B", "W": "W", "B": "BW"}
+        raise ValueError(f"{class_name} needs m to be a multiple of {runner.number_of_rounds}")
+    return runner
+
+
+_KINDS = {"F": "F", "I": "B", "W": "W", "B": "BW"}
+
+
+def _pipeline_order(schedule: str, p: int, m: int, v: int) -> dict:
+    runner = _planner(TORCH_SCHEDULES[schedule][0], p, m, v)
     orders = {}
     for r in range(p):
         runner.rank = r
         ops = runner._calculate_single_rank_operations(r)
         orders[r] = [
-            (kinds[a.computation_type.value], a.stage_index, a.microbatch_index)
+            (_KINDS[a.computation_type.value], a.stage_index, a.microbatch_index)
             for a in ops
-            if a is not None and a.computation_type.value in kinds
+            if a is not None and a.computation_type.value in _KINDS
         ]
     return orders
+
+
+ZERO_BUBBLE_TABLES = {
+    "zero_bubble": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+}
+
+
+def torch_tick_table(schedule: str, p: int, m: int) -> dict[int, list]:
+    """torch's own plan of a zero-bubble schedule with 2 chunks per rank, one tick per F, B or
+    W of one chunk: {rank: [(kind, chunk, microbatch) or None (an idle tick), ...]}.
+
+    "zero_bubble": `ScheduleInterleavedZeroBubble` after its `_add_bubbles_to_actions`; "zbv":
+    `ScheduleZBVZeroBubble` (rank r holds chunks r and 2p-1-r; torch plans max(m, 2p-1)
+    micro-batches, so m >= 2p-1 here). An independent route to the idle time: torch inserted
+    these Nones, not `simulate`. Needs no ranks."""
+    if schedule not in ZERO_BUBBLE_TABLES:
+        raise ValueError(f"schedule must be one of {tuple(ZERO_BUBBLE_TABLES)}, got {schedule!r}")
+    if schedule == "zbv" and m < 2 * p - 1:
+        raise ValueError(f"zbv plans at least 2p-1 = {2 * p - 1} micro-batches, got m={m}")
+    runner = _planner(ZERO_BUBBLE_TABLES[schedule], p, m, 2)
+    runner.pipeline_order = {}
+    for r in range(p):
+        runner.rank = r
+        runner.pipeline_order[r] = runner._calculate_single_rank_operations(r)
+    table = runner.pipeline_order
+    if schedule == "zero_bubble":
+        table = runner._add_bubbles_to_actions(2 * p)
+    return {
+        r: [
+            None
+            if a is None
+            else (_KINDS[a.computation_type.value], a.stage_index, a.microbatch_index)
+            for a in actions
+        ]  # fmt: skip
+        for r, actions in table.items()
+    }
+
+
+def tick_bubble(table: dict[int, list]) -> float:
+    """1 - busy / (ranks * span) of a tick table: every tick one unit, None idle, and a rank
+    whose list ends early idles until the longest ends."""
+    span = max(len(ticks) for ticks in table.values())
+    busy = sum(a is not None for ticks in table.values() for a in ticks)
+    return 1.0 - busy / (len(table) * span)
 
 
 def simulate(

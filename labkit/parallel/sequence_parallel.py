@@ -12,16 +12,23 @@ collectives:
 - after fc2 (row-parallel), a reduce_scatter of the partial sums along the sequence
   (`reduce_scatter_sequence`, g-bar): forward reduce_scatter, backward all_gather.
 
-A ring all_reduce *is* a reduce_scatter followed by an all_gather, so the bytes stay the same:
-each rank sends (n-1)/n·S for each of the two, 2(n-1)/n·S in all, as for one all_reduce of S.
+A ring all_reduce *is* a reduce_scatter followed by an all_gather, so in a ring (NCCL) the bytes
+stay the same: each rank sends (n-1)/n·S for each, 2(n-1)/n·S in all, as for one all_reduce.
+gloo's reduce_scatter sends 2(n-1)/n·S, as much as its all_reduce (measured with the OS's
+TCP counters), so on CPU ranks SP's pair sends 1.5x TP's all_reduce.
 The LayerNorm weights and fc2's bias stay replicated but now see only `s/n` positions per rank,
 so their gradients are partial sums: `sync_replicated_grads` all_reduces them over the group.
 
 `SequenceParallelBlock.from_dense` slices a dense `Block`; `dtensor_block` builds the same with
 torch's `SequenceParallel` + `ColwiseParallel(input_layouts=Shard(1))` +
-`RowwiseParallel(output_layouts=Shard(1))`. `saved_activation_bytes` measures what autograd
-keeps for backward, against `layernorm_saved_bytes`; `sp_comm_bytes` gives each collective's
-bytes. Every function that communicates must be called by every rank of the group.
+`RowwiseParallel(output_layouts=Shard(1))`. Both save the *gathered* input of fc1 for its
+weight gradient: b·s·h numbers on every rank, not divided by n. Megatron-LM saves only this
+rank's s/n positions of it and all-gathers them again in backward (`regather=True`,
+`gather_linear`): then every saved activation is divided by n, at the price of one more
+all_gather of S per layer in backward. `saved_tensors` lists every tensor autograd keeps
+(one entry per storage, parameters left out), `block_saved_bytes` gives each term by formula
+for each variant; `sp_comm_bytes` gives each collective's bytes. Every function that
+communicates must be called by every rank of the group.
 """
 
 from __future__ import annotations
@@ -41,11 +48,14 @@ __all__ = [
     "Block",
     "SequenceParallelBlock",
     "TensorParallelBlock",
+    "block_saved_bytes",
     "dtensor_block",
+    "gather_linear",
     "gather_sequence",
     "layernorm_saved_bytes",
     "reduce_scatter_sequence",
     "saved_activation_bytes",
+    "saved_tensors",
     "sequence_slice",
     "sp_comm_bytes",
     "sync_replicated_grads",
@@ -97,6 +107,36 @@ class _ReduceScatter(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # each partial sum's gradient is the whole output's gradient: gather the slices back
         return _all_gather(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherLinear(torch.autograd.Function):
+    """all_gather(x) @ W.T + b that saves only this rank's x and gathers it again in backward
+    (Megatron-LM's sequence-parallel column linear)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, bias: Any, group: Group,
+                dim: int) -> torch.Tensor:  # fmt: skip
+        ctx.group, ctx.dim, ctx.has_bias = group, dim, bias is not None
+        ctx.save_for_backward(x, weight)  # x: s/n positions, not the gathered s
+        return F.linear(_all_gather(x, group, dim), weight, bias)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        x, weight = ctx.saved_tensors
+        full = _all_gather(x, ctx.group, ctx.dim)  # the re-gather: one more all_gather of S
+        grad_weight = grad.reshape(-1, grad.shape[-1]).T @ full.reshape(-1, full.shape[-1])
+        grad_bias = grad.reshape(-1, grad.shape[-1]).sum(0) if ctx.has_bias else None
+        grad_x = _reduce_scatter(grad @ weight, ctx.group, ctx.dim)
+        return grad_x, grad_weight, grad_bias, None, None
+
+
+def gather_linear(
+    x: torch.Tensor, weight: torch.Tensor, bias: Any = None, group: Group = None,
+    dim: int = SEQ_DIM,
+) -> torch.Tensor:  # fmt: skip
+    """`F.linear(gather_sequence(x), weight, bias)` keeping only `x` (s/n positions) for
+    backward, where it all_gathers `x` again. Every rank must call forward and backward."""
+    return _GatherLinear.apply(x, weight, bias, group, dim)
 
 
 def gather_sequence(x: torch.Tensor, group: Group = None, dim: int = SEQ_DIM) -> torch.Tensor:
@@ -159,11 +199,15 @@ class SequenceParallelBlock(nn.Module):
     LayerNorm, dropout and the residual run on s/n positions; all_gather before fc1 and
     reduce_scatter after fc2 (fc2's bias is added after the scatter, once per position). Call
     `sync_replicated_grads` after backward. Every rank must call forward and backward.
+
+    `regather=False` saves fc1's gathered input (b·s·h per rank), as torch's
+    `SequenceParallel` + `ColwiseParallel` do; `regather=True` saves only this rank's s/n
+    positions and all_gathers them again in backward, as Megatron-LM does.
     """
 
-    def __init__(self, dense: Block, group: Group = None) -> None:
+    def __init__(self, dense: Block, group: Group = None, regather: bool = False) -> None:
         super().__init__()
-        self.group = group
+        self.group, self.regather = group, regather
         self.norm, self.act, self.drop = (
             copy.deepcopy(m) for m in (dense.norm, dense.act, dense.drop)
         )
@@ -173,16 +217,21 @@ class SequenceParallelBlock(nn.Module):
         self.fc2_start, self.fc2_stop = self.fc1.start, self.fc1.stop
 
     @classmethod
-    def from_dense(cls, dense: Block, group: Group = None) -> SequenceParallelBlock:
-        return cls(dense, group)
+    def from_dense(
+        cls, dense: Block, group: Group = None, regather: bool = False
+    ) -> SequenceParallelBlock:
+        return cls(dense, group, regather)
 
     def replicated(self) -> list[nn.Parameter]:
         """The parameters every rank holds whole, whose gradients are partial sums under SP."""
         return [*self.norm.parameters(), self.fc2_bias]
 
     def forward(self, x_local: torch.Tensor) -> torch.Tensor:
-        h = gather_sequence(self.norm(x_local), self.group)  # [b, s, dim]
-        partial = F.linear(self.act(self.fc1(h)), self.fc2_weight)  # X_i B_i, [b, s, dim]
+        if self.regather:
+            z = gather_linear(self.norm(x_local), self.fc1.weight, self.fc1.bias, self.group)
+        else:
+            z = self.fc1(gather_sequence(self.norm(x_local), self.group))  # saves [b, s, dim]
+        partial = F.linear(self.act(z), self.fc2_weight)  # X_i B_i, [b, s, dim]
         y = reduce_scatter_sequence(partial, self.group) + self.fc2_bias  # [b, s/n, dim]
         return x_local + self.drop(y)
 
@@ -227,22 +276,42 @@ def dtensor_block(dense: Block, mesh: Any = None) -> Block:
     return parallelize_module(copy.deepcopy(dense), mesh, plan)
 
 
-def saved_activation_bytes(fn: Callable[[], Any]) -> tuple[Any, int]:
-    """Run `fn()`; return its result and the bytes autograd saved for backward meanwhile.
+def saved_tensors(fn: Callable[[], Any], exclude: Any = ()) -> tuple[Any, list[dict]]:
+    """Run `fn()`; return its result and every tensor autograd saved for backward meanwhile.
 
-    Parameters are not counted (they are there anyway), and a tensor saved twice counts once.
+    One entry per storage (a tensor saved twice, or two views of one buffer, count once):
+    {"shape", "dtype", "bytes"} of the storage's first saved view, bytes of the whole storage.
+    Parameters, and views of the storages of the tensors in `exclude`, are left out (they are
+    there anyway). DTensors count their local tensor: what this rank holds.
     """
-    seen: dict[tuple[int, tuple[int, ...]], int] = {}
+    skip = {_local(t).untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, dict] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
-        if not isinstance(t, nn.Parameter):
-            local = t.to_local() if hasattr(t, "to_local") else t
-            seen[(local.data_ptr(), tuple(local.shape))] = local.numel() * local.element_size()
+        local = _local(t)
+        ptr = local.untyped_storage().data_ptr()
+        if not isinstance(t, nn.Parameter) and ptr not in skip and ptr not in seen:
+            seen[ptr] = {
+                "shape": tuple(local.shape),
+                "dtype": str(local.dtype).removeprefix("torch."),
+                "bytes": local.untyped_storage().nbytes(),
+            }
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         result = fn()
-    return result, sum(seen.values())
+    return result, list(seen.values())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def saved_activation_bytes(fn: Callable[[], Any], exclude: Any = ()) -> tuple[Any, int]:
+    """Run `fn()`; return its result and the bytes autograd saved for backward meanwhile
+    (the sum of `saved_tensors`: one count per storage, parameters left out)."""
+    result, saved = saved_tensors(fn, exclude)
+    return result, sum(s["bytes"] for s in saved)
 
 
 def layernorm_saved_bytes(batch: int, seq: int, dim: int, n: int = 1, elem: int = 4) -> int:
@@ -254,11 +323,53 @@ def layernorm_saved_bytes(batch: int, seq: int, dim: int, n: int = 1, elem: int 
     return (positions * dim + 2 * positions) * elem
 
 
+SAVED_VARIANTS = ("dense", "tp", "sp", "sp_regather")
+
+
+def block_saved_bytes(
+    batch: int, seq: int, dim: int, hidden: int, t: int, variant: str, elem: int = 4
+) -> dict[str, int]:
+    """What one rank saves for the block's backward, term by term, in bytes (dropout p = 0).
+
+    P = b·s positions, h = dim, H = hidden, t the TP degree:
+
+    | term                         | dense | tp    | sp    | sp_regather |
+    | LayerNorm input              | P·h   | P·h   | P·h/t | P·h/t       |
+    | LayerNorm mean               | P     | P     | P/t   | P/t         |
+    | LayerNorm 1/std              | P     | P     | P/t   | P/t         |
+    | fc1 input (LayerNorm output) | P·h   | P·h   | P·h   | P·h/t       |
+    | GELU input (fc1 output)      | P·H   | P·H/t | P·H/t | P·H/t       |
+    | fc2 input (GELU output)      | P·H   | P·H/t | P·H/t | P·H/t       |
+
+    "sp" is labkit's `SequenceParallelBlock` and torch's SequenceParallel + ColwiseParallel:
+    fc1 saves the gathered input whole. Only "sp_regather" (Megatron-LM) divides every term by
+    t. A dropout with p > 0 would add its mask: P·h (dense, tp) or P·h/t (every SP variant).
+    """
+    if variant not in SAVED_VARIANTS:
+        raise ValueError(f"variant must be one of {SAVED_VARIANTS}, got {variant!r}")
+    if variant == "dense":
+        t = 1
+    if seq % t or hidden % t:
+        raise ValueError(f"seq and hidden must be multiples of t={t}, got {seq}, {hidden}")
+    p = batch * seq
+    sharded = t if variant in ("sp", "sp_regather") else 1  # the LayerNorm region
+    terms = {
+        "LayerNorm input": p * dim // sharded,
+        "LayerNorm mean": p // sharded,
+        "LayerNorm 1/std": p // sharded,
+        "fc1 input": p * dim // (t if variant == "sp_regather" else 1),
+        "GELU input": p * hidden // t,
+        "fc2 input": p * hidden // t,
+    }
+    return {k: v * elem for k, v in terms.items()}
+
+
 def sp_comm_bytes(batch: int, seq: int, dim: int, n: int, elem: int = 4) -> dict[str, float]:
     """Per forward of the block: S = b·s·h·elem, the TP region's activation in bytes.
 
     TP alone: one all_reduce of S, each rank sending 2(n-1)/n·S. TP + SP: an all_gather and a
-    reduce_scatter, each of S as nccl-tests counts it, each rank sending (n-1)/n·S for each.
+    reduce_scatter, each of S as nccl-tests counts it, each rank sending (n-1)/n·S for each in
+    a ring (NCCL); gloo's reduce_scatter sends 2(n-1)/n·S instead.
     """
     s = batch * seq * dim * elem
     return {

@@ -15,6 +15,13 @@ Per training step each axis carries its own traffic (`axis_bytes`):
 - dp axis: FSDP2's all_gather of each unit's TP-local weights before forward and again before
   backward (re-sharded in between), and one reduce_scatter of its gradients.
 Collectives of one axis run only inside that axis's groups: what the trace's `group` shows.
+With m micro-batches per step (gradient accumulation), FSDP2 does this per micro-batch: 2m
+all_gathers + m reduce_scatters per unit, unless the first m-1 skip the gradient sync
+(`set_requires_gradient_sync(False)`: one reduce_scatter per step) and/or the unit stays
+gathered between forward and backward (`reshard_after_forward=False`: m all_gathers, more
+memory), and/or stays gathered from one micro-batch's backward to the next one's forward
+(`set_reshard_after_backward(False)` on the first m-1: one all_gather fewer per micro-batch
+after the first). `fsdp_step_collectives` counts them.
 Every function here that communicates must be called by every rank of the mesh.
 """
 
@@ -29,9 +36,12 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "accumulate_step",
     "axis_bytes",
     "axis_groups",
+    "axis_of",
     "batch_rows",
+    "fsdp_step_collectives",
     "fsdp_unit_bytes",
     "local_piece",
     "make_2d_mesh",
@@ -61,7 +71,24 @@ def axis_groups(shape: tuple[int, ...], axis: int) -> list[list[int]]:
     return [row.tolist() for row in moved]
 
 
-def parallelize_2d(model: nn.Sequential, mesh: Any) -> nn.Sequential:
+def axis_of(group: tuple[int, ...], axes: dict[tuple[int, ...], str], world_size: int) -> str:
+    """The mesh axis a traced collective ran on, from its record's `group` (the global ranks):
+    the axis name when `axes` (group -> axis) knows the group, "world" for all ranks, "none"
+    when the record holds no group (the tracer could not resolve the process group), else
+    "other". Never raises: an unexpected record must not break a view of the others."""
+    group = tuple(group or ())
+    if not group:
+        return "none"
+    if group in axes:
+        return axes[group]
+    if sorted(group) == list(range(world_size)):
+        return "world"
+    return "other"
+
+
+def parallelize_2d(
+    model: nn.Sequential, mesh: Any, reshard_after_forward: bool = True
+) -> nn.Sequential:
     """TP over `mesh["tp"]` (first Linear column-, last Linear row-parallel), then FSDP2 over
     `mesh["dp"]` on each Linear and on the whole. Modifies and returns `model`. Every rank of
     the mesh must call it."""
@@ -78,8 +105,10 @@ def parallelize_2d(model: nn.Sequential, mesh: Any) -> nn.Sequential:
     first, last = linears
     parallelize_module(model, mesh["tp"], {first: ColwiseParallel(), last: RowwiseParallel()})
     for name in linears:
-        fully_shard(model.get_submodule(name), mesh=mesh["dp"])
-    fully_shard(model, mesh=mesh["dp"])
+        fully_shard(
+            model.get_submodule(name), mesh=mesh["dp"], reshard_after_forward=reshard_after_forward
+        )
+    fully_shard(model, mesh=mesh["dp"], reshard_after_forward=reshard_after_forward)
     return model
 
 
@@ -103,6 +132,38 @@ def train_step(model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y:
     loss.backward()
     opt.step()
     return loss.detach()
+
+
+def accumulate_step(
+    model: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor, y: torch.Tensor,
+    microbatches: int, sync_every_microbatch: bool = True,
+    reshard_every_backward: bool = True,
+) -> torch.Tensor:  # fmt: skip
+    """One step of `microbatches` forward + backward passes (gradient accumulation, each loss
+    divided by m), then the optimizer; returns the mean loss. With `sync_every_microbatch`
+    False, FSDP2 reduce-scatters only the last micro-batch's gradients
+    (`set_requires_gradient_sync`), the first m-1 accumulate unsharded. With
+    `reshard_every_backward` False, only the last backward reshards the weights
+    (`set_reshard_after_backward`): the next micro-batch's forward finds them gathered. Every
+    rank of the mesh must call it."""
+    opt.zero_grad()
+    losses = []
+    for i, (xs, ys) in enumerate(zip(x.chunk(microbatches), y.chunk(microbatches))):
+        if not sync_every_microbatch:
+            model.set_requires_gradient_sync(i == microbatches - 1)
+        if not reshard_every_backward:
+            model.set_reshard_after_backward(i == microbatches - 1)
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="FSDP2-wrapped module .* returned a view")
+            loss = F.cross_entropy(model(xs), ys) / microbatches
+        loss.backward()
+        losses.append(loss.detach())
+    if not sync_every_microbatch:
+        model.set_requires_gradient_sync(True)
+    if not reshard_every_backward:
+        model.set_reshard_after_backward(True)
+    opt.step()
+    return torch.stack(losses).sum()
 
 
 def local_piece(param: Any, full: torch.Tensor) -> torch.Tensor:
@@ -132,6 +193,25 @@ def fsdp_unit_bytes(shapes: list[tuple[int, ...]], tp_dims: list[int | None], tp
         rows = -(-local[0] // dp) * dp
         total += rows * int(torch.tensor(local[1:], dtype=torch.long).prod()) * elem
     return total
+
+
+def fsdp_step_collectives(
+    num_units: int, microbatches: int, sync_every_microbatch: bool = True,
+    reshard_after_forward: bool = True, reshard_every_backward: bool = True,
+) -> dict[str, int]:  # fmt: skip
+    """FSDP2's collectives on the dp axis per step of `microbatches` forward + backward passes:
+    {"all_gather": ..., "reduce_scatter": ...} over `num_units` units (each holding
+    parameters). Each micro-batch's forward gathers each unit, unless the previous backward
+    left it gathered (`reshard_every_backward` False); its backward gathers it again when
+    forward resharded it; each synced backward reduce-scatters its gradients."""
+    if num_units < 1 or microbatches < 1:
+        raise ValueError(
+            f"num_units and microbatches must be >= 1, got {num_units}, {microbatches}"
+        )
+    forward_gathers = microbatches if reshard_every_backward else 1
+    gathers = forward_gathers + (microbatches if reshard_after_forward else 0)
+    syncs = microbatches if sync_every_microbatch else 1
+    return {"all_gather": num_units * gathers, "reduce_scatter": num_units * syncs}
 
 
 def axis_bytes(unit_bytes: list[int], activation_bytes: int, dp: int, tp: int,

@@ -2,10 +2,13 @@
 
 A check of "bytes sent per rank" that multiplies the traced buffer size by the same
 bus-bandwidth factor as the formula it checks can never fail. This module asks the kernel
-instead: for every TCP socket the rank process holds, Linux keeps `tcpi_bytes_sent` and
-`tcpi_bytes_received` in `struct tcp_info` (getsockopt TCP_INFO). gloo's TCP transport moves
-collective and point-to-point data over such sockets, so the change of their sum over a block
-of code is what gloo sent and received, headers included, whichever algorithm it chose.
+instead: for every TCP socket the rank process holds, Linux keeps byte counters in
+`struct tcp_info` (getsockopt TCP_INFO). gloo's TCP transport moves collective and
+point-to-point data over such sockets, so the change of their sum over a block of code is what
+gloo sent and received, headers included, whichever algorithm it chose. "Sent" counts every
+byte the process wrote once: transmitted (`tcpi_bytes_sent`) less retransmitted
+(`tcpi_bytes_retrans`: a busy host makes spurious ones) plus still queued
+(`tcpi_notsent_bytes`: a call can return before TCP transmits its last bytes).
 
 Left out: the store's connections (the local or remote port is MASTER_PORT), and the lab's own
 control connections when they are TCP (`exclude_ports`). Inside one rank, nothing else talks
@@ -27,13 +30,19 @@ import socket
 import struct
 from dataclasses import dataclass, field
 
-# struct tcp_info (linux/tcp.h): offsets of the u64 counters used here. tcpi_bytes_sent (Linux
-# >= 4.19) counts bytes when they are handed to the network, so a collective's last message is
-# counted when the call returns; tcpi_bytes_acked (>= 4.1) only once the peer acknowledged it.
+# struct tcp_info (linux/tcp.h): offsets of the counters used here. tcpi_bytes_sent (u64, Linux
+# >= 4.19) counts bytes when TCP transmits them, retransmissions included; tcpi_bytes_retrans
+# (u64, >= 4.19) those retransmitted; tcpi_notsent_bytes (u32, >= 4.6) those written but still
+# queued (the peer's window is full). A send can return with its bytes queued, and a busy host
+# makes spurious retransmissions (tail-loss probes), so `sent` is
+# bytes_sent - bytes_retrans + notsent_bytes: every byte the process wrote, counted once.
+# tcpi_bytes_acked (>= 4.1) is the fallback on an older kernel.
+_NOTSENT = 144
 _BYTES_ACKED = 120
 _BYTES_RECEIVED = 128
 _BYTES_SENT = 200
-_TCP_INFO_LEN = 208
+_BYTES_RETRANS = 208
+_TCP_INFO_LEN = 216
 
 
 def _socket_inodes() -> dict[int, int]:
@@ -84,8 +93,14 @@ def tcp_totals(exclude_ports: tuple[int, ...] = ()) -> tuple[int, int]:
             if len(info) < _BYTES_RECEIVED + 8:
                 continue  # a kernel older than the counters
             received += struct.unpack_from("Q", info, _BYTES_RECEIVED)[0]
-            at = _BYTES_SENT if len(info) >= _BYTES_SENT + 8 else _BYTES_ACKED
-            sent += struct.unpack_from("Q", info, at)[0]
+            if len(info) >= _BYTES_RETRANS + 8:
+                sent += (
+                    struct.unpack_from("Q", info, _BYTES_SENT)[0]
+                    - struct.unpack_from("Q", info, _BYTES_RETRANS)[0]
+                    + struct.unpack_from("I", info, _NOTSENT)[0]
+                )
+            else:
+                sent += struct.unpack_from("Q", info, _BYTES_ACKED)[0]
         finally:
             sock.close()  # closes the duplicate only
     return sent, received
