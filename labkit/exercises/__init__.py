@@ -147,3 +147,174 @@ def reduce_leftovers(lab: Any) -> Verdict | None:
         "after reduce only the destination holds the result (gloo happens to leave partial "
         "results elsewhere, NCCL does not); all_reduce, or reduce then broadcast"
     )
+
+
+def watching_factory() -> Any:
+    """A function `watch(fn)` made here so that cloudpickle sends it by value (a rank does not
+    import this kernel-side module). `watch(fn)` is fn wrapped to run on a rank (it takes fn's
+    namespace names; lab.run reads the signature) and return {"value": fn's value, "calls":
+    the collective and point-to-point calls fn made, in order, "groups": its new_group calls}.
+
+    Each call is {"op", "group": its global ranks, "peer": src/dst/peer as a global rank or
+    None, "start", "done"}: times are this rank's time.time(); "done" is when a blocking call
+    returned or when wait() on its request returned, None when fn never waited for it (then
+    a received tensor may still be empty and a sent one may not be reused: a race the right
+    numbers can hide). Nested calls (all_gather_object's all_gather, a batch's isend) are not
+    counted twice. Each new_group call is [its global ranks, or None for every rank,
+    use_local_synchronization]."""
+    import inspect
+
+    names = (
+        "all_reduce broadcast all_gather all_gather_single all_gather_into_tensor reduce_scatter "
+        "reduce_scatter_single reduce_scatter_tensor all_to_all all_to_all_single reduce gather "
+        "scatter barrier monitored_barrier send recv isend irecv batch_isend_irecv"
+    ).split()
+    peer_args = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
+    peer_args.update(send="dst", isend="dst", recv="src", irecv="src")
+
+    def watch(fn: Any) -> Any:
+        def task(**kwargs: Any) -> dict[str, Any]:
+            import time
+
+            import torch.distributed as dist
+            from torch.distributed import distributed_c10d as c10d
+
+            calls: list[dict[str, Any]] = []
+            groups: list[list[Any]] = []
+            depth = [0]
+
+            class Request:  # a Work whose wait() is noted
+                def __init__(self, work: Any, recs: list[dict[str, Any]]) -> None:
+                    self._work, self._recs = work, recs
+
+                def wait(self, *args: Any, **kw: Any) -> Any:
+                    out = self._work.wait(*args, **kw)
+                    for rec in self._recs:
+                        rec["done"] = rec["done"] or time.time()
+                    return out
+
+                def is_completed(self) -> bool:  # polled until True: as good as wait()
+                    done = self._work.is_completed()
+                    for rec in self._recs:
+                        rec["done"] = rec["done"] or (time.time() if done else None)
+                    return done
+
+                def get_future(self) -> Any:
+                    return Request(self._work.get_future(), self._recs)
+
+                def value(self) -> Any:  # a future's
+                    out = self._work.value()
+                    for rec in self._recs:
+                        rec["done"] = rec["done"] or time.time()
+                    return out
+
+                def __getattr__(self, name: str) -> Any:
+                    return getattr(self._work, name)
+
+            def ranks_of(group: Any) -> tuple[int, ...]:
+                if group is None or group is dist.GroupMember.WORLD:
+                    return tuple(range(dist.get_world_size()))
+                try:
+                    return tuple(dist.get_process_group_ranks(group))
+                except Exception:  # noqa: BLE001 - not a member: no ranks known here
+                    return ()
+
+            def wrap(op: str, real: Any) -> Any:
+                params = list(inspect.signature(real).parameters)
+
+                def watched(*args: Any, **kw: Any) -> Any:
+                    if depth[0]:
+                        return real(*args, **kw)
+                    bound = dict(zip(params, args), **kw)
+                    if op == "batch_isend_irecv":
+                        recs = [
+                            {
+                                "op": "isend" if p.op is c10d.isend else "irecv",
+                                "group": ranks_of(p.group),
+                                "peer": p.peer,
+                                "start": time.time(),
+                                "done": None,
+                            }
+                            for p in bound.get("p2p_op_list", [])
+                        ]
+                    else:
+                        peer = bound.get(peer_args.get(op, ""))
+                        group = bound.get("group")
+                        recs = [
+                            {
+                                "op": op,
+                                "group": ranks_of(group),
+                                "peer": peer,
+                                "start": time.time(),
+                                "done": None,
+                            }
+                        ]
+                    calls.extend(recs)
+                    depth[0] += 1
+                    try:
+                        out = real(*args, **kw)
+                    finally:
+                        depth[0] -= 1
+                    asynchronous = op in ("batch_isend_irecv", "isend", "irecv")
+                    if out is not None and (asynchronous or bound.get("async_op")):
+                        if isinstance(out, list):  # one work per op, or one for all
+                            if len(out) == len(recs):
+                                return [Request(w, [rec]) for w, rec in zip(out, recs)]
+                            return [Request(w, recs) for w in out]
+                        return Request(out, recs)
+                    for rec in recs:  # returned: done (or nothing to do: not a member)
+                        rec["done"] = time.time()
+                    return out
+
+                return watched
+
+            def new_group(*args: Any, **kw: Any) -> Any:
+                ranks = args[0] if args else kw.get("ranks")
+                local = bool(kw.get("use_local_synchronization", False))
+                if not depth[0]:
+                    groups.append([None if ranks is None else sorted(ranks), local])
+                depth[0] += 1
+                try:
+                    return real_new_group(*args, **kw)
+                finally:
+                    depth[0] -= 1
+
+            real_new_group = c10d.new_group
+            saved = {n: (getattr(dist, n, None), getattr(c10d, n, None)) for n in names}
+            try:
+                for n, (in_dist, in_c10d) in saved.items():
+                    if in_c10d is not None:
+                        w = wrap(n, in_c10d)
+                        setattr(c10d, n, w)
+                        if in_dist is not None:
+                            setattr(dist, n, w)
+                c10d.new_group = dist.new_group = new_group
+                value = fn(**kwargs)
+            finally:
+                for n, (in_dist, in_c10d) in saved.items():
+                    if in_c10d is not None:
+                        setattr(c10d, n, in_c10d)
+                    if in_dist is not None:
+                        setattr(dist, n, in_dist)
+                c10d.new_group = dist.new_group = real_new_group
+            return {"value": value, "calls": calls, "groups": groups}
+
+        task.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
+        return task
+
+    return watch
+
+
+def unwaited(calls_by_rank: dict[int, list[dict[str, Any]]]) -> Verdict | None:
+    """A wrong verdict when a rank returned without waiting for one of its requests (isend,
+    irecv, a batch's, async_op=True): until wait() returns the received tensor may be empty
+    and the sent one must not change. Right numbers do not clear it: they were timing."""
+    for r, calls in sorted(calls_by_rank.items()):
+        left = [c["op"] for c in calls if c["done"] is None]
+        if left:
+            return wrong(
+                f"rank {r} never waited for its {', '.join(left)} request(s): until wait() "
+                "returns, a received tensor may still be empty and a sent one must not change "
+                "(any right numbers were luck of timing); call .wait() on every request"
+            )
+    return None

@@ -4,10 +4,21 @@ Checkers that take a function run it on every rank with `lab.run(fn)` (the funct
 rank's namespace entries it names, e.g. `rank`, `world_size`) and compare what each rank returns
 with a reference computed here. A cell the lab had to stop (a deadlock, a hang) counts as wrong,
 with the lab's diagnosis as the reason; the ranks are then fresh. Right numbers are not
-enough: the trace must show the communication the exercise asks for (a collective on a
-group, send/recv, reduce_scatter + all_gather), every rank must have created as many
-numbered groups (new_group is called by every rank), and a numbered group must have the same
-members on every rank that is in it.
+enough, and three things are judged before the numbers, on every rank:
+
+- every request (isend, irecv, a batch's, async_op=True) was waited for before the function
+  returned: without wait() the numbers are right or wrong by luck of timing, so an unwaited
+  request is wrong even when the numbers came out right;
+- the new_group calls made without use_local_synchronization=True are the same, in the same
+  order, on every rank (groups are named by a counter, so a rank that skips one, or makes a
+  different one at the same point, pairs its later groups with the wrong members). This is read
+  from the calls themselves, not from torch's group counter, which torch versions advance
+  differently for use_local_synchronization=True groups;
+- the trace shows the communication the exercise asks for (a collective on a group,
+  send/recv, reduce_scatter + all_gather).
+
+The wrong answers each checker is tested against (tests/test_checkers_collectives.py) are
+listed in its docstring.
 """
 
 from __future__ import annotations
@@ -17,7 +28,16 @@ from typing import Any
 
 import torch
 
-from labkit.exercises import Verdict, comm_ops, reveal, right, run_on_ranks, wrong
+from labkit.exercises import (
+    Verdict,
+    comm_ops,
+    reveal,
+    right,
+    run_on_ranks,
+    unwaited,
+    watching_factory,
+    wrong,
+)
 
 P2P = {"send", "recv", "batch_isend_irecv"}  # after OP_FAMILY folded isend/irecv
 
@@ -37,66 +57,42 @@ __all__ = [
 ]
 
 
-def _counting_groups(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` wrapped to run on a rank: it returns {"value": fn's value, "groups": how many
-    numbered groups fn created there (new_group without use_local_synchronization), "members":
-    {group name: its global ranks} for those of them this rank is in}. It takes the same
-    namespace names as fn (lab.run reads the signature)."""
-    import inspect
-
-    def task(**names: Any) -> dict[str, Any]:
-        from torch.distributed import distributed_c10d
-
-        world = distributed_c10d._world  # private: group_count, pg_names, pg_group_ranks
-        before = getattr(world, "group_count", 0)
-        value = fn(**names)
-        after = getattr(world, "group_count", 0)
-        numbered = {str(k) for k in range(before, after)}
-        members = {
-            name: sorted(getattr(world, "pg_group_ranks", {}).get(pg, {}))
-            for pg, name in getattr(world, "pg_names", {}).items()
-            if name in numbered
-        }
-        return {"value": value, "groups": after - before, "members": members}
-
-    task.__signature__ = inspect.signature(fn)  # type: ignore[attr-defined]
-    return task
+def _group_calls(groups_by_rank: dict[int, list[list[Any]]]) -> Verdict | None:
+    """A wrong verdict when the ranks' new_group calls without use_local_synchronization=True
+    differ (in number, members or order)."""
+    numbered = {
+        r: [ranks for ranks, local in calls if not local] for r, calls in groups_by_rank.items()
+    }
+    first = min(numbered)
+    for r, calls in sorted(numbered.items()):
+        if calls != numbered[first]:
+            return wrong(
+                f"new_group calls differ between ranks: rank {first} called new_group with "
+                f"{numbered[first]}, rank {r} with {calls}. Every rank must call new_group for "
+                "every group, in the same order, even for a group it is not in (or pass "
+                "use_local_synchronization=True): groups are named by a counter, so otherwise "
+                "later groups pair the wrong ranks"
+            )
+    return None
 
 
 def _run_and_compare(lab: Any, fn: Callable[..., Any], expected: dict[int, Any]) -> Verdict:
-    """Run fn on every rank; right when each rank returns a tensor equal to expected[rank] and
-    every rank created as many numbered groups (new_group must be called on every rank)."""
-    results, bad = run_on_ranks(lab, _counting_groups(fn))
+    """Run fn on every rank; right when every request was waited for, every rank made the same
+    numbered groups, and each rank returns a tensor equal to expected[rank]."""
+    results, bad = run_on_ranks(lab, watching_factory()(fn))
     if bad is not None:
         return bad
     out = results.values_by_rank
+    if (bad := unwaited({r: got["calls"] for r, got in out.items()})) is not None:
+        return bad
+    if (bad := _group_calls({r: got["groups"] for r, got in out.items()})) is not None:
+        return bad
     for r, got in sorted(out.items()):
         want, value = expected[r], got["value"]
         if not isinstance(value, torch.Tensor):
             return wrong(f"rank {r} returned {type(value).__name__}, expected a tensor")
         if value.shape != want.shape or not torch.allclose(value.float().cpu(), want.float()):
             return wrong(f"rank {r} returned {value.tolist()}, expected {want.tolist()}")
-    counts = {r: got["groups"] for r, got in out.items()}
-    if len(set(counts.values())) > 1:
-        return wrong(
-            f"new_group calls per rank: {counts}. Every rank must call new_group for every "
-            "group, in the same order, even for a group it is not in (or pass "
-            "use_local_synchronization=True): otherwise the next group gets mismatched names"
-        )
-    held: dict[str, dict[tuple[int, ...], list[int]]] = {}
-    for r, got in sorted(out.items()):
-        for name, ranks in got.get("members", {}).items():
-            held.setdefault(name, {}).setdefault(tuple(ranks), []).append(r)
-    for name, versions in sorted(held.items()):
-        if len(versions) > 1:
-            seen = "; ".join(f"ranks {who} made it {list(m)}" for m, who in versions.items())
-            return wrong(
-                f"group {name} has different members on different ranks ({seen}). Every rank "
-                "must call new_group for every group, in the same order, even for a group it "
-                "is not in (or pass use_local_synchronization=True): a group's name is its "
-                "number, so two different groups made at the same point share one name and "
-                "its rendezvous keys"
-            )
     return right(f"all {len(expected)} ranks hold the expected tensors")
 
 
