@@ -388,10 +388,10 @@ def test_pair_swap(lab, fn, ok: bool, says: str) -> None:
 @pytest.mark.parametrize(
     "fn, says",
     [
-        (ps_no_wait, "rank 0 never waited for its isend, irecv request(s)"),
-        (ps_no_wait_lucky, "rank 0 never waited for its isend, irecv request(s)"),
-        (ps_send_not_waited, "never waited for its isend request(s)"),
-        (ps_batch_first_only, "never waited for its isend request(s)"),
+        (ps_no_wait, "rank 0 never waited for its isend and irecv requests"),
+        (ps_no_wait_lucky, "rank 0 never waited for its isend and irecv requests"),
+        (ps_send_not_waited, "never waited for its isend request"),
+        (ps_batch_first_only, "never waited for its isend request"),
     ],
 )
 def test_pair_swap_rejects_unwaited_requests(lab, fn, says: str) -> None:

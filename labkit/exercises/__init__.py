@@ -152,8 +152,10 @@ def reduce_leftovers(lab: Any) -> Verdict | None:
 def watching_factory() -> Any:
     """A function `watch(fn)` made here so that cloudpickle sends it by value (a rank does not
     import this kernel-side module). `watch(fn)` is fn wrapped to run on a rank (it takes fn's
-    namespace names; lab.run reads the signature) and return {"value": fn's value, "calls":
-    the collective and point-to-point calls fn made, in order, "groups": its new_group calls}.
+    arguments, and lab.run reads fn's signature to pass namespace names) and return {"value":
+    fn's value, "calls": the collective and point-to-point calls fn made, in order, "groups":
+    its new_group calls}. Requests fn left unwaited are finished after it returns (within
+    LEFT_WAIT s), so they write into nothing that is sent back or used by the next cell.
 
     Each call is {"op", "group": its global ranks, "peer": src/dst/peer as a global rank or
     None, "start", "done"}: times are this rank's time.time(); "done" is when a blocking call
@@ -164,6 +166,7 @@ def watching_factory() -> Any:
     use_local_synchronization]."""
     import inspect
 
+    LEFT_WAIT = 10.0  # seconds the requests fn never waited for get to finish after it returns
     names = (
         "all_reduce broadcast all_gather all_gather_single all_gather_into_tensor reduce_scatter "
         "reduce_scatter_single reduce_scatter_tensor all_to_all all_to_all_single reduce gather "
@@ -173,7 +176,8 @@ def watching_factory() -> Any:
     peer_args.update(send="dst", isend="dst", recv="src", irecv="src")
 
     def watch(fn: Any) -> Any:
-        def task(**kwargs: Any) -> dict[str, Any]:
+        def task(*args: Any, **kwargs: Any) -> dict[str, Any]:
+            import datetime
             import time
 
             import torch.distributed as dist
@@ -183,9 +187,12 @@ def watching_factory() -> Any:
             groups: list[list[Any]] = []
             depth = [0]
 
+            requests: list[Any] = []
+
             class Request:  # a Work whose wait() is noted
                 def __init__(self, work: Any, recs: list[dict[str, Any]]) -> None:
                     self._work, self._recs = work, recs
+                    requests.append(self)
 
                 def wait(self, *args: Any, **kw: Any) -> Any:
                     out = self._work.wait(*args, **kw)
@@ -289,8 +296,16 @@ def watching_factory() -> Any:
                         if in_dist is not None:
                             setattr(dist, n, w)
                 c10d.new_group = dist.new_group = new_group
-                value = fn(**kwargs)
+                value = fn(*args, **kwargs)
             finally:
+                # what fn left running would write into tensors being sent back, or into the
+                # next cell: finish it here (its records keep done=None: fn did not wait)
+                for req in requests:
+                    if any(rec["done"] is None for rec in req._recs):
+                        try:
+                            req._work.wait(datetime.timedelta(seconds=LEFT_WAIT))
+                        except Exception:  # noqa: BLE001 - a partner that never came
+                            pass
                 for n, (in_dist, in_c10d) in saved.items():
                     if in_c10d is not None:
                         setattr(c10d, n, in_c10d)
@@ -312,8 +327,11 @@ def unwaited(calls_by_rank: dict[int, list[dict[str, Any]]]) -> Verdict | None:
     for r, calls in sorted(calls_by_rank.items()):
         left = [c["op"] for c in calls if c["done"] is None]
         if left:
+            kinds = {op: left.count(op) for op in left}
+            what = " and ".join(f"{n} {op}" if n > 1 else op for op, n in kinds.items())
             return wrong(
-                f"rank {r} never waited for its {', '.join(left)} request(s): until wait() "
+                f"rank {r} never waited for its {what} request{'s' if len(left) > 1 else ''}: "
+                "until wait() "
                 "returns, a received tensor may still be empty and a sent one must not change "
                 "(any right numbers were luck of timing); call .wait() on every request"
             )
