@@ -276,8 +276,9 @@ def watching_factory() -> Any:
                 return watched
 
             def new_group(*args: Any, **kw: Any) -> Any:
-                ranks = args[0] if args else kw.get("ranks")
-                local = bool(kw.get("use_local_synchronization", False))
+                bound = dict(zip(inspect.signature(real_new_group).parameters, args), **kw)
+                ranks = bound.get("ranks")
+                local = bool(bound.get("use_local_synchronization", False))
                 if not depth[0]:
                     groups.append([None if ranks is None else sorted(ranks), local])
                 depth[0] += 1

@@ -111,7 +111,13 @@ def _no_comm(lab: Any, ranks: Any) -> Verdict | None:
 def check_even_odd_sums(lab: Any, fn: Callable[..., Any]) -> Verdict:
     """`fn(rank, world_size)` returns `torch.tensor([float(rank)])` summed over the ranks of the
     same parity (even ranks with even ranks, odd with odd), with a collective on a group of
-    one parity (not on the whole world)."""
+    one parity (not on the whole world).
+
+    Classic wrong answers it rejects: the all_reduce left on the whole world; the answer
+    computed from world_size; all_gather on the world then a sum of one parity; the other
+    parity's group (a non-member's all_reduce returns at once, leaving t alone); each parity
+    making only its own group without use_local_synchronization=True (a hang, or new_group
+    calls that differ); an async all_reduce never waited for."""
     n = lab.world_size
     expected = {r: torch.tensor([float(sum(q for q in range(r % 2, n, 2)))]) for r in range(n)}
     verdict = _run_and_compare(lab, fn, expected)
@@ -143,7 +149,14 @@ def even_odd_sums(rank, world_size, device):
 # -- 11: point-to-point -----------------------------------------------------------------------
 def check_pair_swap(lab: Any, fn: Callable[..., Any]) -> Verdict:
     """`fn(rank)` swaps `torch.full((4,), float(rank))` with its partner `rank ^ 1` and returns
-    what it received, without deadlocking (the lab stops a deadlock and this says wrong)."""
+    what it received, without deadlocking (the lab stops a deadlock and this says wrong).
+
+    Classic wrong answers it rejects: both ranks send first (a deadlock once the message
+    outgrows the transport's buffer; the lab stops it); isend/irecv never waited for (the
+    tensor returned may still be empty: rejected even when a sleep made the numbers right);
+    only the irecv waited for, or only the first request of a batch; the ring neighbour
+    (rank + 1) instead of the partner rank ^ 1; all_gather instead of point to point; the
+    answer computed without receiving."""
     n = lab.world_size
     if n % 2:
         return wrong(f"this exercise needs an even number of ranks, the lab has {n}")
@@ -181,7 +194,12 @@ def pair_swap(rank, device):
 # -- 12: collectives --------------------------------------------------------------------------
 def check_all_reduce_by_parts(lab: Any, fn: Callable[..., Any]) -> Verdict:
     """`fn(rank, world_size)` returns the all_reduce SUM of `torch.arange(4. * world_size) + rank`
-    computed with reduce_scatter then all_gather, and no all_reduce."""
+    computed with reduce_scatter then all_gather, and no all_reduce.
+
+    Classic wrong answers it rejects: all_reduce itself; all_gather of everything then a local
+    sum (W times the bytes); reduce then broadcast; reduce_scatter without the all_gather (a
+    quarter of the answer); ReduceOp.AVG where the sum is asked; a reduce_scatter never waited
+    for before its result is gathered."""
     n = lab.world_size
     total = sum(torch.arange(4.0 * n) + r for r in range(n))
     verdict = _run_and_compare(lab, fn, {r: total for r in range(n)})
@@ -210,7 +228,11 @@ def all_reduce_by_parts(rank, world_size, device):
 # -- 13: ring all-reduce ----------------------------------------------------------------------
 def check_owner_chunk(fn: Callable[[int, int], int]) -> Verdict:
     """`fn(i, p)`: the chunk that ring position i holds fully reduced after the reduce-scatter
-    phase (labkit's ring: position i sends chunk (i - s) mod p at step s). Pure; no ranks."""
+    phase (labkit's ring: position i sends chunk (i - s) mod p at step s). Pure; no ranks.
+
+    Classic wrong answers it rejects: its own chunk i (what it starts with); (i - 1) mod p, the
+    answer of a ring that sends to the left; i + 1 without the wrap-around (p = 2..8 are
+    tried)."""
     from labkit.parallel.ring_allreduce import ring_schedule
 
     for p in range(2, 9):
@@ -240,7 +262,12 @@ def owner_chunk(i, p):
 # -- 14: measuring ----------------------------------------------------------------------------
 def check_alpha_beta(fn: Callable[[float, float, float, int], float]) -> Verdict:
     """`fn(alpha, beta, nbytes, p)`: the alpha-beta time of a ring all_reduce,
-    2(p-1)·alpha + 2(p-1)/p·nbytes·beta (docs/references.md). Pure; no ranks."""
+    2(p-1)·alpha + 2(p-1)/p·nbytes·beta (docs/references.md). Pure; no ranks.
+
+    Classic wrong answers it rejects: one message's time alpha + n·beta; (p-1) latency steps
+    instead of 2(p-1) (one phase only); (p-1)/p·n bytes (reduce-scatter alone); bits for bytes;
+    2p steps of the whole buffer (a naive ring). Cases span 4 KiB to 16 MiB on 2 to 8 ranks,
+    with beta 0 (latency alone) among them."""
     for alpha, beta, n, p in [(1e-4, 1e-9, 4096, 4), (5e-5, 2e-10, 2**24, 8), (1e-3, 0.0, 1, 2)]:
         want = 2 * (p - 1) * alpha + 2 * (p - 1) / p * n * beta
         try:
@@ -262,7 +289,14 @@ def ring_time(alpha, beta, nbytes, p):
 # -- 15: when things go wrong -----------------------------------------------------------------
 def check_pair_sum(lab: Any, fn: Callable[..., Any]) -> Verdict:
     """`fn(rank)` runs on every rank: ranks 0 and 2 return the sum of their
-    `torch.tensor([rank + 1.])`; the other ranks return theirs unchanged."""
+    `torch.tensor([rank + 1.])`; the other ranks return theirs unchanged.
+
+    Classic wrong answers it rejects: all_reduce on the whole world (ranks 1 and 3 join the
+    sum); the world all_reduce with zeros from ranks 1 and 3 (right numbers, wrong group);
+    new_group([0, 2]) called by ranks 0 and 2 only without use_local_synchronization=True
+    (later groups would pair the wrong ranks); the answer computed without communicating; an
+    async all_reduce never waited for. With use_local_synchronization=True, a group made by
+    its members only is right on any torch."""
     n = lab.world_size
     if n < 3:
         return wrong(f"this exercise needs at least 3 ranks, the lab has {n}")
