@@ -185,8 +185,7 @@ def watching_factory() -> Any:
 
             calls: list[dict[str, Any]] = []
             groups: list[list[Any]] = []
-            depth = [0]
-
+            depth = [0]  # > 0 inside a watched call: its inner calls are not counted again
             requests: list[Any] = []
 
             class Request:  # a Work whose wait() is noted
@@ -332,8 +331,8 @@ def unwaited(calls_by_rank: dict[int, list[dict[str, Any]]]) -> Verdict | None:
             what = " and ".join(f"{n} {op}" if n > 1 else op for op, n in kinds.items())
             return wrong(
                 f"rank {r} never waited for its {what} request{'s' if len(left) > 1 else ''}: "
-                "until wait() "
-                "returns, a received tensor may still be empty and a sent one must not change "
-                "(any right numbers were luck of timing); call .wait() on every request"
+                "until wait() returns, a received tensor may still be empty and a sent one "
+                "must not change (any right numbers were luck of timing); call .wait() on "
+                "every request"
             )
     return None
