@@ -282,7 +282,7 @@ def bcast_weights_only(model):
         (bcast_object, True, "rank 0's parameters and buffers, bit for bit"),
         (bcast_float_buffers, True, "rank 0's parameters and buffers, bit for bit"),
         (bcast_parameters_only, False, "rank 1 holds rank 0's parameters, but not its buffers"),
-        (bcast_no_wait, False, "rank 0 never waited for its 12 broadcast requests"),
+        (bcast_no_wait, False, "rank 0 never waited for its 9 broadcast requests"),
         (lambda model: None, False, "rank 1 still holds its own initial weights"),
         (bcast_average, False, "rank 0's parameters are not rank 0's initial ones"),
         (bcast_from_1, False, "rank 0 holds rank 1's initial weights: broadcast from rank 0"),
