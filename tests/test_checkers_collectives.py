@@ -100,6 +100,26 @@ def gm_int(rank):  # an integer tensor: MAX is exact in any dtype
     return t
 
 
+def gm_barrier(rank):  # a barrier "to be safe" after the answer: still right
+    t = torch.tensor(float((rank + 1) ** 2))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.barrier()
+    return t
+
+
+def gm_world_size_barrier(world_size):  # a barrier moves no value: still arithmetic
+    dist.barrier()
+    return torch.tensor(float(world_size**2))
+
+
+def gm_fails_reversed(rank, world_size):  # right as dealt; raises only when told another rank
+    t = torch.tensor(float((rank + 1) ** 2))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if rank == world_size - 1 and dist.get_rank() != rank:
+        raise ValueError("the role of the last rank, played by another")
+    return t
+
+
 def gm_rank0_only(rank):
     t = torch.tensor(float((rank + 1) ** 2))
     if rank == 0:
@@ -116,6 +136,9 @@ def gm_rank0_only(rank):
         (gm_reduce_then_broadcast, True, "every rank holds 16"),
         (gm_object, True, "every rank holds 16"),
         (gm_int, True, "every rank holds 16"),
+        (gm_barrier, True, "every rank holds 16"),
+        (gm_world_size_barrier, False, "ranks [0, 1, 2, 3] called no collective"),
+        (gm_fails_reversed, False, "with the values dealt in reverse (rank r told it is rank"),
         (gm_gather_last, False, "dealt in reverse (the largest, 16, on rank 0) rank 0 returned 1"),
         (gm_async_no_wait, False, "rank 0 never waited for its all_reduce request"),
         (lambda rank: rank, False, "rank 0 returned 0, expected 16"),
@@ -169,6 +192,19 @@ def eo_int(rank, world_size):  # an integer tensor sums exactly: right
     return t
 
 
+def eo_barrier(rank, world_size):  # a world barrier moves no data: still right
+    groups = [dist.new_group(list(range(p, world_size, 2))) for p in (0, 1)]
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t, group=groups[rank % 2])
+    dist.barrier()
+    return t
+
+
+def eo_arithmetic_barrier(rank, world_size):  # a barrier is not the sum's communication
+    dist.barrier()
+    return torch.tensor([float(sum(range(rank % 2, world_size, 2)))])
+
+
 def eo_world(rank):
     t = torch.tensor([float(rank)])
     dist.all_reduce(t)
@@ -207,6 +243,8 @@ def eo_own_group_only(rank, world_size):  # new_group called by the members only
         (eo_world, False, "rank 0 returned [6.0], expected [2.0]"),
         (lambda rank: torch.tensor([float(rank)]), False, "rank 0 returned [0.0], expected [2.0]"),
         (eo_arithmetic, False, "called no collective"),
+        (eo_barrier, True, "each parity summed in its own group"),
+        (eo_arithmetic_barrier, False, "rank(s) [0, 1, 2, 3] called no collective"),
         (eo_gather_world, False, "ran on the whole world"),
         (eo_swapped_groups, False, "rank 0 returned [0.0], expected [2.0]"),
         (eo_no_wait, False, "rank 0 never waited for its all_reduce request"),
@@ -315,6 +353,17 @@ def ps_recv_async_then_send(rank):
     return theirs
 
 
+def ps_then_barrier(rank):  # a barrier after the swap moves no data: still right
+    theirs = ps_even_sends_first(rank)
+    dist.barrier()
+    return theirs
+
+
+def ps_computed_barrier(rank):  # the partner's value computed, then a barrier: no swap
+    dist.barrier()
+    return torch.full((4,), float(rank ^ 1))
+
+
 def ps_no_wait(rank):  # the classic race: returns theirs before irecv has filled it
     mine, theirs = torch.full((4,), float(rank)), torch.empty(4)
     dist.isend(mine, dst=rank ^ 1)
@@ -374,6 +423,8 @@ def ps_all_gather(rank, world_size):
         (ps_even_sends_first, True, "point to point"),
         (ps_batch, True, "point to point"),
         (ps_recv_async_then_send, True, "point to point"),
+        (ps_then_barrier, True, "point to point"),
+        (ps_computed_barrier, False, "rank(s) [0, 1, 2, 3] called no collective"),
         (lambda rank: torch.full((4,), float(rank)), False, "rank 0 returned [0.0, 0.0"),
         (lambda rank: torch.full((4,), float(rank ^ 1)), False, "called no collective"),
         (ps_both_send_first, False, "both wait to send"),
@@ -568,6 +619,12 @@ def pair_send_recv(rank):
     return t
 
 
+def pair_then_barrier(rank):  # a world barrier after the pair's sum moves no data: right
+    t = pair_reference(rank)
+    dist.barrier()
+    return t
+
+
 def pair_world(rank):
     t = torch.tensor([rank + 1.0])
     dist.all_reduce(t)
@@ -607,6 +664,7 @@ def pair_members_only(rank):  # new_group skipped by ranks 1 and 3: numbered gro
         (pair_everyone_calls, True, "in their own group"),
         (pair_async, True, "in their own group"),
         (pair_send_recv, True, "in their own group"),
+        (pair_then_barrier, True, "in their own group"),
         (lambda rank: torch.tensor([rank + 1.0]), False, "rank 0 returned [1.0], expected [4.0]"),
         (pair_world, False, "rank 0 returned [10.0], expected [4.0]"),
         (pair_world_masked, False, "all_reduce on ranks [0, 1, 2, 3]"),

@@ -458,6 +458,33 @@ def save_send_to_each(path, model):  # point to point: rank 0 tells each rank wh
         model.load_state_dict(torch.load(path, map_location="cpu"))
 
 
+def save_object_list(path, model):  # broadcast_object_list passes group_src, not src
+    box = [None]
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+        box = [path]
+    dist.broadcast_object_list(box, src=0)
+    model.load_state_dict(torch.load(box[0], map_location=lambda storage, loc: storage))
+
+
+def save_group_dst(path, model):  # send/recv named by group_dst/group_src (torch >= 2.6)
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+        for r in range(1, dist.get_world_size()):
+            dist.send(torch.ones(1), group_dst=r)
+    else:
+        dist.recv(torch.empty(1), group_src=0)
+        model.load_state_dict(torch.load(path, map_location="cpu"))
+
+
+def save_empty_read(path, model):  # reads a file created but not written yet
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+    else:
+        open(path + f".{dist.get_rank()}", "wb").close()
+        model.load_state_dict(torch.load(path + f".{dist.get_rank()}", map_location="cpu"))
+
+
 def save_no_map_location(path, model):
     if dist.get_rank() == 0:
         torch.save(model.state_dict(), path)
@@ -491,6 +518,9 @@ def save_load_ignored(path, model):
         (save_async_barrier, False, "nothing ordering it after rank 0's torch.save"),
         (save_broadcast_flag, True, "rank 0 wrote once"),
         (save_send_to_each, True, "rank 0 wrote once"),
+        (save_object_list, True, "rank 0 wrote once"),
+        (save_group_dst, True, "rank 0 wrote once"),
+        (save_empty_read, False, "(in torch.load: if it read while rank 0 was still writing"),
         (save_no_map_location, False, "without map_location"),
         (save_everyone, False, "ranks [1, 2, 3] called torch.save too"),
         (lambda path, model: None, False, "rank 0 never called torch.save"),

@@ -112,6 +112,9 @@ def comm_ops(lab: Any) -> dict[int, list[str]]:
     return ops
 
 
+# ops that move no data: a barrier added "to be safe" neither answers an exercise nor spoils one
+SYNC_ONLY = {"barrier", "monitored_barrier"}
+
 # ops after which a rank holds something the others sent it
 _DELIVERING = {
     "broadcast",
@@ -244,8 +247,12 @@ def watching_factory() -> Any:
                             for p in bound.get("p2p_op_list", [])
                         ]
                     else:
-                        peer = bound.get(peer_args.get(op, ""))
                         group = bound.get("group")
+                        peer = bound.get(peer_args.get(op, ""))
+                        group_peer = bound.get("group_" + peer_args.get(op, "-"))
+                        if peer is None and group_peer is not None:  # torch >= 2.6's group_src
+                            members = ranks_of(group)  # and group_dst: a rank of the group
+                            peer = members[group_peer] if group_peer < len(members) else None
                         recs = [
                             {
                                 "op": op,

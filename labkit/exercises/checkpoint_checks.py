@@ -110,7 +110,7 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
         from labkit.parallel.data_parallel import make_mlp
 
         model = make_mlp(seed=200 + rank, device=device)
-        save, load, locations, saves, loads = torch.save, torch.load, [], [], []
+        save, load, locations, saves, loads, failed = torch.save, torch.load, [], [], [], []
 
         def slow_save(*args: Any, **kwargs: Any) -> Any:
             if rank == 0:
@@ -123,7 +123,11 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
         def recording_load(*args: Any, **kwargs: Any) -> Any:
             loads.append(time.time())
             locations.append(kwargs.get("map_location", args[1] if len(args) > 1 else None))
-            return load(*args, **kwargs)
+            try:
+                return load(*args, **kwargs)
+            except Exception:
+                failed.append(time.time())  # e.g. a file read while rank 0 was writing it
+                raise
 
         torch.save, torch.load = slow_save, recording_load
         error, calls = None, []
@@ -140,6 +144,7 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
             "map_locations": [str(x) for x in locations],
             "saves": saves,
             "loads": loads,
+            "load_failed": bool(failed),
             "calls": calls,
             "device": str(device),
             "error": error,
@@ -161,6 +166,11 @@ def check_save_and_load(lab: Any, fn: Callable[[str, Any], None]) -> Verdict:
             hint = ""
             if "No such file" in out["error"] or "FileNotFound" in out["error"]:
                 hint = " (it read before rank 0 had written the file: a barrier is missing)"
+            elif out["load_failed"]:  # a half-written file: a truncated zip, an empty pickle
+                hint = (
+                    " (in torch.load: if it read while rank 0 was still writing the file, a "
+                    "barrier is missing)"
+                )
             return wrong(f"rank {r} raised {out['error']}{hint}")
     calls = {r: out["calls"] for r, out in outs.items()}
     for r, out in sorted(outs.items()):

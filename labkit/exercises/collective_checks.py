@@ -15,7 +15,8 @@ enough, and three things are judged before the numbers, on every rank:
   from the calls themselves, not from torch's group counter, which torch versions advance
   differently for use_local_synchronization=True groups;
 - the trace shows the communication the exercise asks for (a collective on a group,
-  send/recv, reduce_scatter + all_gather).
+  send/recv, reduce_scatter + all_gather). A barrier moves no data: one added "to be safe"
+  neither spoils a right answer nor counts as the communication a wrong one lacks.
 
 The wrong answers each checker is tested against (tests/test_checkers_collectives.py) are
 listed in its docstring.
@@ -29,6 +30,7 @@ from typing import Any
 import torch
 
 from labkit.exercises import (
+    SYNC_ONLY,
     Verdict,
     comm_ops,
     reveal,
@@ -97,8 +99,11 @@ def _run_and_compare(lab: Any, fn: Callable[..., Any], expected: dict[int, Any])
 
 
 def _no_comm(lab: Any, ranks: Any) -> Verdict | None:
-    """A wrong verdict when one of `ranks` called no collective and no send/recv."""
-    quiet = [r for r, ops in sorted(comm_ops(lab).items()) if r in ranks and not ops]
+    """A wrong verdict when one of `ranks` called no collective and no send/recv (a barrier
+    alone moves no data: it does not count)."""
+    quiet = [
+        r for r, ops in sorted(comm_ops(lab).items()) if r in ranks and not set(ops) - SYNC_ONLY
+    ]
     if quiet:
         return wrong(
             f"right numbers, but rank(s) {quiet} called no collective and no send/recv: "
@@ -126,7 +131,13 @@ def check_even_odd_sums(lab: Any, fn: Callable[..., Any]) -> Verdict:
     if (quiet := _no_comm(lab, range(n))) is not None:
         return quiet
     world = tuple(range(n))
-    on_world = sorted({rec.op for rec in lab.trace() if rec.kind == "comm" and rec.group == world})
+    on_world = sorted(
+        {
+            rec.op
+            for rec in lab.trace()
+            if rec.kind == "comm" and rec.group == world and rec.op not in SYNC_ONLY
+        }
+    )
     if on_world:
         return wrong(
             f"right numbers, but {on_world} ran on the whole world: make one group per parity "
@@ -165,7 +176,7 @@ def check_pair_swap(lab: Any, fn: Callable[..., Any]) -> Verdict:
         return verdict
     if (quiet := _no_comm(lab, range(n))) is not None:
         return quiet
-    other = {op for ops in comm_ops(lab).values() for op in ops} - P2P
+    other = {op for ops in comm_ops(lab).values() for op in ops} - P2P - SYNC_ONLY
     if other:
         return wrong(f"right numbers, but through {sorted(other)}: swap with send and recv")
     return right(f"every pair swapped its tensors, point to point, on all {n} ranks")
@@ -307,7 +318,9 @@ def check_pair_sum(lab: Any, fn: Callable[..., Any]) -> Verdict:
     if (quiet := _no_comm(lab, (0, 2))) is not None:
         return quiet
     for rec in lab.trace():
-        if rec.kind == "comm" and rec.op not in P2P | {"isend", "irecv"} and rec.group != (0, 2):
+        if rec.kind != "comm" or rec.op in P2P | SYNC_ONLY | {"isend", "irecv"}:
+            continue
+        if rec.group != (0, 2):
             return wrong(
                 f"right numbers, but rank {rec.rank} ran {rec.op} on ranks {list(rec.group)}: "
                 "a collective of ranks 0 and 2 runs on a group of just those two"

@@ -214,7 +214,8 @@ def check_broadcast_parameters(lab: Any, fn: Callable[[Any], None]) -> Verdict:
     """`fn(model)` runs on every rank, each with different weights and different BatchNorm
     running statistics (buffers, one of them int64), and must make every rank's parameters and
     buffers bit-identical to rank 0's: what DDP does when it is built (it broadcasts both, and
-    with broadcast_buffers=True the buffers again before every forward).
+    by default the buffers again before every forward: forward_sync_buffers=True, torch
+    2.13's name for the deprecated broadcast_buffers).
 
     Classic wrong answers it rejects: parameters only (the running statistics stay each
     rank's own, and the replicas normalise differently); averaging instead of broadcasting;

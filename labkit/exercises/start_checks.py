@@ -10,8 +10,8 @@ Classic wrong answers it rejects (tests/test_checkers_collectives.py): SUM inste
 `reduce` to rank 0 without a broadcast (the other ranks keep partial results); a broadcast
 from the rank assumed to hold the largest, or all_gather then the last element (right only
 while the largest sits on the last rank: the reversed run); `all_reduce(async_op=True)`
-without wait (right by luck of timing); arithmetic on world_size; a collective on rank 0 only
-(a hang).
+without wait (right by luck of timing); arithmetic on world_size (with or without a barrier:
+a barrier moves no value); a collective on rank 0 only (a hang).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from typing import Any
 import torch
 
 from labkit.exercises import (
+    SYNC_ONLY,
     Verdict,
     comm_ops,
     reduce_leftovers,
@@ -72,6 +73,13 @@ def check_global_max(lab: Any, fn: Callable[..., Any]) -> Verdict:
     watch = watching_factory()
     for reverse in (False, True):
         results, bad = run_on_ranks(lab, watch(_dealt_in_reverse(fn) if reverse else fn))
+        if bad is not None and reverse:  # right as dealt: say what changed
+            return wrong(
+                "right while rank r is told it is rank r, but with the values dealt in reverse "
+                "(rank r told it is rank world_size-1-r, so the largest sits on rank 0): "
+                f"{bad.message}. Find the largest with a collective every rank calls the same "
+                "way, whichever rank holds it"
+            )
         if bad is not None:
             return bad
         out = results.values_by_rank
@@ -93,8 +101,8 @@ def check_global_max(lab: Any, fn: Callable[..., Any]) -> Verdict:
             if value != expected:
                 return wrong(f"rank {r} returned {value:g}, expected {expected:g}")
         ops = comm_ops(lab)
-        if any(not o for o in ops.values()):
-            quiet = [r for r, o in sorted(ops.items()) if not o]
+        if any(not set(o) - SYNC_ONLY for o in ops.values()):
+            quiet = [r for r, o in sorted(ops.items()) if not set(o) - SYNC_ONLY]
             return wrong(
                 f"right numbers, but ranks {quiet} called no collective: the answer must come "
                 "from the ranks' values, not from world_size"
