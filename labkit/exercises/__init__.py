@@ -158,7 +158,8 @@ def watching_factory() -> Any:
     arguments, and lab.run reads fn's signature to pass namespace names) and return {"value":
     fn's value, "calls": the collective and point-to-point calls fn made, in order, "groups":
     its new_group calls}. Requests fn left unwaited are finished after it returns (within
-    LEFT_WAIT s), so they write into nothing that is sent back or used by the next cell.
+    LEFT_WAIT s for all of them), so they write into nothing that is sent back or used by the
+    next cell; their records still say fn never waited, so `unwaited` still rejects them.
 
     Each call is {"op", "group": its global ranks, "peer": src/dst/peer as a global rank or
     None, "start", "done"}: times are this rank's time.time(); "done" is when a blocking call
@@ -307,10 +308,12 @@ def watching_factory() -> Any:
             finally:
                 # what fn left running would write into tensors being sent back, or into the
                 # next cell: finish it here (its records keep done=None: fn did not wait)
-                for req in requests:
+                deadline = time.time() + LEFT_WAIT  # for all of them: many never matched
+                for req in requests:  # must not outlast the checker's own timeout
                     if any(rec["done"] is None for rec in req._recs):
+                        left = max(deadline - time.time(), 0.01)  # 0 would wait forever
                         try:
-                            req._work.wait(datetime.timedelta(seconds=LEFT_WAIT))
+                            req._work.wait(datetime.timedelta(seconds=left))
                         except Exception:  # noqa: BLE001 - a partner that never came
                             pass
                 for n, (in_dist, in_c10d) in saved.items():
