@@ -224,6 +224,10 @@ def bcast_float_buffers(model):  # every tensor as float32 in one flat buffer, c
             t.copy_(piece.view_as(t))
 
 
+def bcast_ddp(model):  # DDP's constructor broadcasts rank 0's parameters and buffers itself
+    torch.nn.parallel.DistributedDataParallel(model)
+
+
 def bcast_data_async(model):
     tensors = [*model.parameters(), *model.buffers()]
     works = [dist.broadcast(t.data, src=0, async_op=True) for t in tensors]
@@ -281,6 +285,7 @@ def bcast_weights_only(model):
         (bcast_flat, True, "rank 0's parameters and buffers, bit for bit"),
         (bcast_object, True, "rank 0's parameters and buffers, bit for bit"),
         (bcast_float_buffers, True, "rank 0's parameters and buffers, bit for bit"),
+        (bcast_ddp, True, "rank 0's parameters and buffers, bit for bit"),
         (bcast_parameters_only, False, "rank 1 holds rank 0's parameters, but not its buffers"),
         (bcast_no_wait, False, "rank 0 never waited for its 9 broadcast requests"),
         (lambda model: None, False, "rank 1 still holds its own initial weights"),

@@ -162,12 +162,12 @@ def check_pair_swap(lab: Any, fn: Callable[..., Any]) -> Verdict:
     """`fn(rank)` swaps `torch.full((4,), float(rank))` with its partner `rank ^ 1` and returns
     what it received, without deadlocking (the lab stops a deadlock and this says wrong).
 
-    Classic wrong answers it rejects: both ranks send first (a deadlock once the message
-    outgrows the transport's buffer; the lab stops it); isend/irecv never waited for (the
-    tensor returned may still be empty: rejected even when a sleep made the numbers right);
-    only the irecv waited for, or only the first request of a batch; the ring neighbour
-    (rank + 1) instead of the partner rank ^ 1; all_gather instead of point to point; the
-    answer computed without receiving."""
+    Classic wrong answers it rejects: both ranks send first (on gloo a deadlock at any size,
+    with NCCL or MPI once the message outgrows their buffers; the lab stops it); isend/irecv
+    never waited for (the tensor returned may still be empty: rejected even when a sleep made
+    the numbers right); only the irecv waited for, or only the first request of a batch; the
+    ring neighbour (rank + 1) instead of the partner rank ^ 1; all_gather instead of point to
+    point; the answer computed without receiving. A barrier after a right swap is right."""
     n = lab.world_size
     if n % 2:
         return wrong(f"this exercise needs an even number of ranks, the lab has {n}")
