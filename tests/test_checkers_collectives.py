@@ -120,6 +120,26 @@ def gm_fails_reversed(rank, world_size):  # right as dealt; raises only when tol
     return t
 
 
+def gm_read_before_wait(rank):  # waited for, but read first: its own value, every time
+    t = torch.tensor(float((rank + 1) ** 2))
+    work = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True)
+    value = t.item()
+    work.wait()
+    return value
+
+
+def gm_future(rank):  # the result read from the request's future
+    t = torch.tensor([float((rank + 1) ** 2)])
+    return dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True).get_future().wait()[0]
+
+
+def gm_then(rank):  # a callback chained on the future, as a DDP communication hook is
+    t = torch.tensor([float((rank + 1) ** 2)])
+    fut = dist.all_reduce(t, op=dist.ReduceOp.MAX, async_op=True).get_future()
+    fut.then(lambda f: f.value()[0].mul_(1.0)).wait()
+    return t
+
+
 def gm_rank0_only(rank):
     t = torch.tensor(float((rank + 1) ** 2))
     if rank == 0:
@@ -137,6 +157,9 @@ def gm_rank0_only(rank):
         (gm_object, True, "every rank holds 16"),
         (gm_int, True, "every rank holds 16"),
         (gm_barrier, True, "every rank holds 16"),
+        (gm_future, True, "every rank holds 16"),
+        (gm_then, True, "every rank holds 16"),
+        (gm_read_before_wait, False, "rank 0 returned 1, expected 16"),
         (gm_world_size_barrier, False, "ranks [0, 1, 2, 3] called no collective"),
         (gm_fails_reversed, False, "with the values dealt in reverse (rank r told it is rank"),
         (gm_gather_last, False, "dealt in reverse (the largest, 16, on rank 0) rank 0 returned 1"),
@@ -364,6 +387,25 @@ def ps_computed_barrier(rank):  # the partner's value computed, then a barrier: 
     return torch.full((4,), float(rank ^ 1))
 
 
+def ps_read_before_wait(rank):  # waits for both, but copies theirs before the irecv's wait
+    mine, theirs = torch.full((4,), float(rank)), torch.zeros(4)
+    reqs = [dist.isend(mine, dst=rank ^ 1), dist.irecv(theirs, src=rank ^ 1)]
+    got = theirs.clone()
+    for req in reqs:
+        req.wait()
+    return got
+
+
+def ps_batch_read_before_wait(rank):
+    mine, theirs = torch.full((4,), float(rank)), torch.zeros(4)
+    ops = [dist.P2POp(dist.isend, mine, rank ^ 1), dist.P2POp(dist.irecv, theirs, rank ^ 1)]
+    works = dist.batch_isend_irecv(ops)
+    got = theirs.clone()
+    for work in works:
+        work.wait()
+    return got
+
+
 def ps_no_wait(rank):  # the classic race: returns theirs before irecv has filled it
     mine, theirs = torch.full((4,), float(rank)), torch.empty(4)
     dist.isend(mine, dst=rank ^ 1)
@@ -424,6 +466,8 @@ def ps_all_gather(rank, world_size):
         (ps_batch, True, "point to point"),
         (ps_recv_async_then_send, True, "point to point"),
         (ps_then_barrier, True, "point to point"),
+        (ps_read_before_wait, False, "rank 0 returned [0.0, 0.0, 0.0, 0.0], expected [1.0"),
+        (ps_batch_read_before_wait, False, "rank 0 returned [0.0, 0.0, 0.0, 0.0], expected"),
         (ps_computed_barrier, False, "rank(s) [0, 1, 2, 3] called no collective"),
         (lambda rank: torch.full((4,), float(rank)), False, "rank 0 returned [0.0, 0.0"),
         (lambda rank: torch.full((4,), float(rank ^ 1)), False, "called no collective"),

@@ -160,6 +160,10 @@ def watching_factory() -> Any:
     its new_group calls}. Requests fn left unwaited are finished after it returns (within
     LEFT_WAIT s for all of them), so they write into nothing that is sent back or used by the
     next cell; their records still say fn never waited, so `unwaited` still rejects them.
+    What an irecv (alone or in a batch) or an async all_reduce / broadcast delivers reaches
+    fn's tensor only when fn waits for it (the transfer works on a copy): a tensor read before
+    its wait() holds its old values every time, not only when timing is unlucky, and one
+    never waited for keeps them.
 
     Each call is {"op", "group": its global ranks, "peer": src/dst/peer as a global rank or
     None, "start", "done"}: times are this rank's time.time(); "done" is when a blocking call
@@ -178,12 +182,14 @@ def watching_factory() -> Any:
     ).split()
     peer_args = {"broadcast": "src", "scatter": "src", "reduce": "dst", "gather": "dst"}
     peer_args.update(send="dst", isend="dst", recv="src", irecv="src")
+    IN_PLACE = {"all_reduce", "broadcast"}  # async ops whose result lands in their `tensor`
 
     def watch(fn: Any) -> Any:
         def task(*args: Any, **kwargs: Any) -> dict[str, Any]:
             import datetime
             import time
 
+            import torch
             import torch.distributed as dist
             from torch.distributed import distributed_c10d as c10d
 
@@ -192,30 +198,39 @@ def watching_factory() -> Any:
             depth = [0]  # > 0 inside a watched call: its inner calls are not counted again
             requests: list[Any] = []
 
-            class Request:  # a Work whose wait() is noted
-                def __init__(self, work: Any, recs: list[dict[str, Any]]) -> None:
-                    self._work, self._recs = work, recs
+            class Request:  # a Work whose wait() is noted and hands over what it received
+                def __init__(self, work: Any, recs: list[dict[str, Any]], pairs: Any) -> None:
+                    self._work, self._recs, self._pairs = work, recs, pairs
                     requests.append(self)
+
+                def _done(self) -> None:
+                    for rec in self._recs:
+                        rec["done"] = rec["done"] or time.time()
+                    with torch.no_grad():
+                        while self._pairs:  # (where the transfer wrote, the learner's tensor)
+                            private, theirs = self._pairs.pop()
+                            theirs.copy_(private)
 
                 def wait(self, *args: Any, **kw: Any) -> Any:
                     out = self._work.wait(*args, **kw)
-                    for rec in self._recs:
-                        rec["done"] = rec["done"] or time.time()
+                    self._done()
                     return out
 
                 def is_completed(self) -> bool:  # polled until True: as good as wait()
                     done = self._work.is_completed()
-                    for rec in self._recs:
-                        rec["done"] = rec["done"] or (time.time() if done else None)
+                    if done:
+                        self._done()
                     return done
 
                 def get_future(self) -> Any:
-                    return Request(self._work.get_future(), self._recs)
+                    return Request(self._work.get_future(), self._recs, self._pairs)
+
+                def then(self, callback: Any) -> Any:  # a future's: its chain's wait() counts
+                    return Request(self._work.then(callback), self._recs, self._pairs)
 
                 def value(self) -> Any:  # a future's
                     out = self._work.value()
-                    for rec in self._recs:
-                        rec["done"] = rec["done"] or time.time()
+                    self._done()
                     return out
 
                 def __getattr__(self, name: str) -> Any:
@@ -229,6 +244,14 @@ def watching_factory() -> Any:
                 except Exception:  # noqa: BLE001 - not a member: no ranks known here
                     return ()
 
+            def private(t: Any, pairs: list[Any]) -> Any:
+                """A copy of t for a request to work on; t gets its values at wait()."""
+                if not isinstance(t, torch.Tensor):
+                    return t
+                mine = t.detach().clone()
+                pairs.append((mine, t))
+                return mine
+
             def wrap(op: str, real: Any) -> Any:
                 params = list(inspect.signature(real).parameters)
 
@@ -236,6 +259,27 @@ def watching_factory() -> Any:
                     if depth[0]:
                         return real(*args, **kw)
                     bound = dict(zip(params, args), **kw)
+                    # what a request receives reaches the learner's tensor only at its wait(): a
+                    # tensor read before wait() holds its old values every time, not by timing
+                    pairs: list[list[Any]] = []
+                    if op == "batch_isend_irecv":
+                        batch = []
+                        for p in bound.get("p2p_op_list", []):
+                            pairs.append([])
+                            if p.op is not c10d.isend:  # an irecv, as torch tells them apart
+                                t = private(p.tensor, pairs[-1])
+                                p = dist.P2POp(p.op, t, peer=p.peer, group=p.group, tag=p.tag)
+                            batch.append(p)
+                        args, kw = (batch,), {k: v for k, v in kw.items() if k != "p2p_op_list"}
+                    elif op == "irecv" or (bound.get("async_op") and op in IN_PLACE):
+                        pairs.append([])
+                        name = "tensor"
+                        theirs = bound.get(name)
+                        if name in kw:
+                            kw[name] = private(theirs, pairs[0])
+                        elif params.index(name) < len(args):
+                            i = params.index(name)
+                            args = (*args[:i], private(theirs, pairs[0]), *args[i + 1 :])
                     if op == "batch_isend_irecv":
                         recs = [
                             {
@@ -273,9 +317,10 @@ def watching_factory() -> Any:
                     if out is not None and (asynchronous or bound.get("async_op")):
                         if isinstance(out, list):  # one work per op, or one for all
                             if len(out) == len(recs):
-                                return [Request(w, [rec]) for w, rec in zip(out, recs)]
-                            return [Request(w, recs) for w in out]
-                        return Request(out, recs)
+                                return [Request(w, [r], q) for w, r, q in zip(out, recs, pairs)]
+                            every = [pair for q in pairs for pair in q]
+                            return [Request(w, recs, every) for w in out]
+                        return Request(out, recs, [pair for q in pairs for pair in q])
                     for rec in recs:  # returned: done (or nothing to do: not a member)
                         rec["done"] = time.time()
                     return out

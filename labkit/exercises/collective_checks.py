@@ -8,7 +8,9 @@ enough, and three things are judged before the numbers, on every rank:
 
 - every request (isend, irecv, a batch's, async_op=True) was waited for before the function
   returned: without wait() the numbers are right or wrong by luck of timing, so an unwaited
-  request is wrong even when the numbers came out right;
+  request is wrong even when the numbers came out right; and a received tensor read before
+  its wait() reads its old values every time (the checker hands what a request received to
+  the learner's tensor at wait());
 - the new_group calls made without use_local_synchronization=True are the same, in the same
   order, on every rank (groups are named by a counter, so a rank that skips one, or makes a
   different one at the same point, pairs its later groups with the wrong members). This is read
