@@ -63,6 +63,37 @@ def avg_divide_first(model):
         work.wait()
 
 
+def avg_twice(model):  # AVG already divides
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        p.grad /= dist.get_world_size()
+
+
+def avg_rebinds(model):  # the notebook's stub filled in: g = g / n changes no p.grad
+    grads = [p.grad for p in model.parameters()]
+    for g in grads:
+        dist.all_reduce(g)
+        g = g / dist.get_world_size()
+    return grads
+
+
+def avg_float_copy(model):  # .float() is p.grad itself in float32, a copy in float64
+    for p in model.parameters():
+        dist.all_reduce(p.grad.float(), op=dist.ReduceOp.AVG)
+
+
+def avg_no_wait(model):
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG, async_op=True)
+
+
+def avg_bf16_wire(model):  # reduced in bfloat16 and copied back: 3 significant digits
+    for p in model.parameters():
+        half = p.grad.to(torch.bfloat16)
+        dist.all_reduce(half, op=dist.ReduceOp.AVG)
+        p.grad.copy_(half)
+
+
 def avg_sum_only(model):
     for p in model.parameters():
         dist.all_reduce(p.grad)
@@ -96,6 +127,11 @@ def avg_first_layer_only(model):
         (avg_divide_only, False, "divided, never summed"),
         (avg_weights_not_grads, False, "still this rank's own gradient"),
         (avg_first_layer_only, False, "differs from the whole batch's by"),
+        (avg_twice, False, "it is the mean / 4 (divided twice)"),
+        (avg_rebinds, False, "`g = g / n` only rebinds a name"),
+        (avg_float_copy, False, "right for float32 gradients, but for float64 rank 0's"),
+        (avg_no_wait, False, "rank 0 never waited for its 4 all_reduce requests"),
+        (avg_bf16_wire, False, "differs from the whole batch's by"),
     ],
 )
 def test_average_gradients(lab, fn, ok: bool, says: str) -> None:
@@ -164,12 +200,37 @@ def test_max_replica_diff(lab, fn, ok: bool, says: str) -> None:
 
 def bcast_no_grad(model):
     with torch.no_grad():
+        for t in [*model.parameters(), *model.buffers()]:
+            dist.broadcast(t, src=0)
+
+
+def bcast_parameters_only(model):  # the classic: BatchNorm's running statistics stay
+    with torch.no_grad():
         for p in model.parameters():
             dist.broadcast(p, src=0)
 
 
+def bcast_no_wait(model):
+    for t in [*model.parameters(), *model.buffers()]:
+        dist.broadcast(t.data, src=0, async_op=True)
+
+
+def bcast_float_buffers(model):  # every tensor as float32 in one flat buffer, copied back
+    tensors = [*model.parameters(), *model.buffers()]
+    flat = torch.cat([t.detach().reshape(-1).float() for t in tensors])
+    dist.broadcast(flat, src=0)
+    with torch.no_grad():
+        for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
+            t.copy_(piece.view_as(t))
+
+
+def bcast_ddp(model):  # DDP's constructor broadcasts rank 0's parameters and buffers itself
+    torch.nn.parallel.DistributedDataParallel(model)
+
+
 def bcast_data_async(model):
-    works = [dist.broadcast(p.data, src=0, async_op=True) for p in model.parameters()]
+    tensors = [*model.parameters(), *model.buffers()]
+    works = [dist.broadcast(t.data, src=0, async_op=True) for t in tensors]
     for work in works:
         work.wait()
 
@@ -181,6 +242,8 @@ def bcast_flat(model):
     with torch.no_grad():
         for p, piece in zip(params, flat.split([p.numel() for p in params])):
             p.copy_(piece.view_as(p))
+    for b in model.buffers():
+        dist.broadcast(b, src=0)
 
 
 def bcast_object(model):
@@ -191,7 +254,7 @@ def bcast_object(model):
 
 def bcast_average(model):
     with torch.no_grad():
-        for p in model.parameters():
+        for p in [*model.parameters(), *model.buffers()][:-1]:
             dist.all_reduce(p)
             p /= dist.get_world_size()
 
@@ -217,10 +280,14 @@ def bcast_weights_only(model):
 @pytest.mark.parametrize(
     "fn, ok, says",
     [
-        (bcast_no_grad, True, "rank 0's weights, bit for bit"),
-        (bcast_data_async, True, "rank 0's weights, bit for bit"),
-        (bcast_flat, True, "rank 0's weights, bit for bit"),
-        (bcast_object, True, "rank 0's weights, bit for bit"),
+        (bcast_no_grad, True, "rank 0's parameters and buffers, bit for bit"),
+        (bcast_data_async, True, "rank 0's parameters and buffers, bit for bit"),
+        (bcast_flat, True, "rank 0's parameters and buffers, bit for bit"),
+        (bcast_object, True, "rank 0's parameters and buffers, bit for bit"),
+        (bcast_float_buffers, True, "rank 0's parameters and buffers, bit for bit"),
+        (bcast_ddp, True, "rank 0's parameters and buffers, bit for bit"),
+        (bcast_parameters_only, False, "rank 1 holds rank 0's parameters, but not its buffers"),
+        (bcast_no_wait, False, "rank 0 never waited for its 9 broadcast requests"),
         (lambda model: None, False, "rank 1 still holds its own initial weights"),
         (bcast_average, False, "rank 0's parameters are not rank 0's initial ones"),
         (bcast_from_1, False, "rank 0 holds rank 1's initial weights: broadcast from rank 0"),
@@ -274,10 +341,24 @@ def clip_mean_square(params, max_norm):
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, sq.sqrt())
 
 
+def clip_no_sqrt(params, max_norm):
+    sq = sum(p.grad.pow(2).sum() for p in params)
+    dist.all_reduce(sq)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, sq)
+
+
+def clip_no_wait(params, max_norm):
+    sq = sum(p.grad.double().pow(2).sum() for p in params)
+    dist.all_reduce(sq, async_op=True)
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, sq.sqrt())
+
+
 @pytest.mark.parametrize(
     "fn, ok, says",
     [
         (clip_reference, True, "with and without clipping"),
+        (clip_no_sqrt, False, "max_norm=0.05"),
+        (clip_no_wait, False, "rank 0 never waited for its 2 all_reduce requests"),
         (clip_torch_helpers, True, "with and without clipping"),
         (clip_local, False, "max_norm=0.05 (the gradient's norm is 0.297)"),
         (lambda params, max_norm: None, False, "(not clipped, or by a local norm?)"),
@@ -349,6 +430,66 @@ def save_sleep(path, model):
     model.load_state_dict(torch.load(path, map_location="cpu"))
 
 
+def save_long_sleep(path, model):  # longer than the slow disk: right numbers, by timing only
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+    else:
+        time.sleep(3.0)
+    model.load_state_dict(torch.load(path, map_location="cpu"))
+
+
+def save_async_barrier(path, model):  # a barrier never waited for orders nothing
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+    dist.barrier(async_op=True)
+    time.sleep(3.0)
+    model.load_state_dict(torch.load(path, map_location="cpu"))
+
+
+def save_broadcast_flag(path, model):  # any call that hears from rank 0 after it saved
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+    dist.broadcast(torch.zeros(1), src=0)
+    model.load_state_dict(torch.load(path, map_location=next(model.parameters()).device))
+
+
+def save_send_to_each(path, model):  # point to point: rank 0 tells each rank when it is done
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+        for r in range(1, dist.get_world_size()):
+            dist.send(torch.ones(1), dst=r)
+    else:
+        dist.recv(torch.empty(1), src=0)
+        model.load_state_dict(torch.load(path, map_location="cpu"))
+
+
+def save_object_list(path, model):  # broadcast_object_list passes group_src, not src
+    box = [None]
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+        box = [path]
+    dist.broadcast_object_list(box, src=0)
+    model.load_state_dict(torch.load(box[0], map_location=lambda storage, loc: storage))
+
+
+def save_group_dst(path, model):  # send/recv named by group_dst/group_src (torch >= 2.6)
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+        for r in range(1, dist.get_world_size()):
+            dist.send(torch.ones(1), group_dst=r)
+    else:
+        dist.recv(torch.empty(1), group_src=0)
+        model.load_state_dict(torch.load(path, map_location="cpu"))
+
+
+def save_empty_read(path, model):  # reads a file created but not written yet
+    if dist.get_rank() == 0:
+        torch.save(model.state_dict(), path)
+    else:
+        open(path + f".{dist.get_rank()}", "wb").close()
+        model.load_state_dict(torch.load(path + f".{dist.get_rank()}", map_location="cpu"))
+
+
 def save_no_map_location(path, model):
     if dist.get_rank() == 0:
         torch.save(model.state_dict(), path)
@@ -378,6 +519,13 @@ def save_load_ignored(path, model):
         (save_no_barrier, False, "a barrier is missing"),
         (save_barrier_first, False, "a barrier is missing"),
         (save_sleep, False, "a barrier is missing"),
+        (save_long_sleep, False, "nothing ordering it after rank 0's torch.save"),
+        (save_async_barrier, False, "nothing ordering it after rank 0's torch.save"),
+        (save_broadcast_flag, True, "rank 0 wrote once"),
+        (save_send_to_each, True, "rank 0 wrote once"),
+        (save_object_list, True, "rank 0 wrote once"),
+        (save_group_dst, True, "rank 0 wrote once"),
+        (save_empty_read, False, "(in torch.load: if it read while rank 0 was still writing"),
         (save_no_map_location, False, "without map_location"),
         (save_everyone, False, "ranks [1, 2, 3] called torch.save too"),
         (lambda path, model: None, False, "rank 0 never called torch.save"),

@@ -120,10 +120,18 @@ def row_average(x, weight, bias, rank, world_size):
     return partial + bias
 
 
+def row_no_wait(x, weight, bias, rank, world_size):
+    cols = _cols(rank, world_size)
+    partial = x[:, cols] @ weight[:, cols].T
+    dist.all_reduce(partial, async_op=True)
+    return partial + bias
+
+
 @pytest.mark.parametrize(
     "fn, ok, says",
     [
         (row_reference, True, "computes with its slice only"),
+        (row_no_wait, False, "never waited for its all_reduce request"),
         (row_async_chunks, True, "computes with its slice only"),
         (row_masked, True, "computes with its slice only"),
         (row_bias_on_rank0, True, "computes with its slice only"),
@@ -192,10 +200,28 @@ def one_f_one_b_off_by_one(p, m, s):
     return order + [("B", j) for j in range(m - warmup, m)]
 
 
+def one_f_one_b_warmup_reversed(p, m, s):  # the last stage warms up most: backwards
+    warmup = min(s, m)
+    order = [("F", j) for j in range(warmup)]
+    for i in range(m - warmup):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", j) for j in range(m - warmup, m)]
+
+
+def one_f_one_b_uncapped(p, m, s):  # warm-up not capped by m: forwards of missing micro-batches
+    warmup = p - s - 1
+    order = [("F", j) for j in range(warmup)]
+    for i in range(max(m - warmup, 0)):
+        order += [("F", warmup + i), ("B", i)]
+    return order + [("B", j) for j in range(max(m - warmup, 0), m)]
+
+
 @pytest.mark.parametrize(
     "fn, ok, says",
     [
         (lambda p, m, s: stage_order(p, m, s, "1f1b"), True, "1F1B orders match"),
+        (one_f_one_b_warmup_reversed, False, "p=2, m=2, stage 0: got [('F', 0), ('B', 0)"),
+        (one_f_one_b_uncapped, False, "p=3, m=1, stage 0: got [('F', 0), ('F', 1)"),
         (lambda p, m, s: [[k.lower(), j] for k, j in stage_order(p, m, s, "1f1b")], True, "1F"),
         (lambda p, m, s: stage_order(p, m, s, "gpipe"), False, "p=1, m=2, stage 0: got"),
         (one_f_one_b_off_by_one, False, "p=1, m=2, stage 0: got [('F', 0), ('F', 1)"),

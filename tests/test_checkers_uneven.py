@@ -25,7 +25,11 @@ def test_wrong_answers_are_named() -> None:
     cases = {
         "adds zeros": lambda g, a, i: sum(g) / (len(g) if i else sum(a)),
         "wrong divisor": lambda g, a, i: sum(x for x, y in zip(g, a) if y) / sum(a),
+        "wrong divisor: the world size": lambda g, a, i: sum(x for x, y in zip(g, a) if y) / len(g),
         "not the sum": lambda g, a, i: g[0],
+        "not the sum of the active": lambda g, a, i: (
+            sum(x for x, y in zip(g, a[::-1]) if y) / (len(g) if i else sum(a))
+        ),
         "raised KeyError": lambda g, a, i: {}[0],
     }
     for words, fn in cases.items():

@@ -3,6 +3,13 @@
 `check_server_update` runs the learner's update rule on every rank of `lab` (through
 `lab.run`) for 6 pushes and compares weights, version and staleness with the rule computed
 here. `solution_server_update` reveals one answer.
+
+Classic wrong answers it rejects (tests/test_checkers_data.py): updating w in place (the
+workers that pulled w would see it change under them; `w -= ...`, `w.sub_`); the gradient
+added instead of subtracted; the version not advanced, or advanced from the pulled version;
+staleness with the sign reversed, or counted after the version advanced (off by one). The
+pushes mix fresh gradients (staleness 0) with stale ones, in an order where version and
+pulled version differ by 0, 1, 2 and 3.
 """
 
 from __future__ import annotations

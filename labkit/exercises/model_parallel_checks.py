@@ -3,6 +3,23 @@
 Each checker compares a learner's answer with labkit's reference implementation and returns a
 `Verdict`; `solution_*()` shows an answer on request. Checkers that need ranks take the lab and
 run the answer there with `lab.run`.
+
+Classic wrong answers each rejects (tests/test_checkers_model.py):
+- grid_groups (30): dp and mp groups swapped; the grid read transposed (r = mp_rank * dp_size
+  + dp_rank), which only square grids hide (2x3 and 3x2 grids are tried); groups of the first
+  replica for every rank.
+- one_f_one_b (31): GPipe's order (every forward first); one warm-up forward too many
+  (p - s) or the warm-up counted from the wrong end (s instead of p - s - 1); the warm-up not
+  capped by the number of micro-batches (p > m is tried).
+- row_parallel (32): the bias added on every rank before the sum; the all_reduce missing;
+  dense maths with a dummy all_reduce, or dense outputs averaged (each rank's features
+  outside its slice are its own noise in the second run, so only an answer that reads its
+  slice alone passes); a column slice instead of a row slice; two all_reduces; an AVG
+  instead of a SUM; an async all_reduce never waited for.
+- best_split (33): equal layer counts; greedy filling to the average; boundaries not
+  starting at 0 or not increasing.
+- what_is_it (34): each name in the wrong family; a category outside the three; the stub
+  answers nothing, so all six must be chosen.
 """
 
 from __future__ import annotations
@@ -11,7 +28,16 @@ import random
 from collections.abc import Callable
 from typing import Any
 
-from labkit.exercises import Verdict, comm_ops, reveal, right, run_on_ranks, wrong
+from labkit.exercises import (
+    Verdict,
+    comm_ops,
+    reveal,
+    right,
+    run_on_ranks,
+    unwaited,
+    watching_factory,
+    wrong,
+)
 from labkit.parallel.auto_split import LayerCost, partition_optimal
 from labkit.parallel.pipeline_parallel import stage_order
 
@@ -176,15 +202,19 @@ def check_row_parallel(lab: Any, fn: Callable[..., Any]) -> Verdict:
     inputs = _row_inputs_factory()
     x, w, b = inputs(0, n, poisoned=False)
     want = F.linear(x, w, b)
+    watch = watching_factory()
     for poisoned in (False, True):
 
         def task(rank: int, world_size: int, poisoned: bool = poisoned) -> Any:
-            return fn(*inputs(rank, world_size, poisoned), rank, world_size)
+            return watch(fn)(*inputs(rank, world_size, poisoned), rank, world_size)
 
         results, bad = run_on_ranks(lab, task, display=False)
         if bad is not None:
             return bad
-        for r, out in sorted(results.values_by_rank.items()):
+        seen = results.values_by_rank
+        if (bad := unwaited({r: v["calls"] for r, v in seen.items()})) is not None:
+            return bad
+        for r, out in sorted((r, v["value"]) for r, v in seen.items()):
             if not isinstance(out, torch.Tensor) or out.shape != want.shape:
                 what = tuple(out.shape) if isinstance(out, torch.Tensor) else type(out).__name__
                 return wrong(f"rank {r} returned {what}, expected a tensor of shape (8, 12)")

@@ -4,6 +4,12 @@
 once as the lab is and once under the environment torchrun would set on the second of 2
 nodes, and checks rank, world size, local rank and node. `solution_where_am_i` reveals one
 answer.
+
+Classic wrong answers it rejects (tests/test_checkers_data.py): dist.get_rank() and friends
+(right in the lab, but not what torchrun's variables say on another node: the checker's
+second run changes only the environment); LOCAL_RANK used as the global rank (right on one
+node only); the node as rank // WORLD_SIZE or rank % LOCAL_WORLD_SIZE instead of
+rank // LOCAL_WORLD_SIZE (or GROUP_RANK).
 """
 
 from __future__ import annotations

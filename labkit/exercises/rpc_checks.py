@@ -5,6 +5,12 @@
 calls `fn` twice, and reports what `fn` returned and what the owner holds afterwards. Right:
 the owner's tensor grew by both deltas and `fn` returned the new value each time.
 `solution_add_on_owner` reveals one answer.
+
+Classic wrong answers it rejects (tests/test_rpc.py): `rref.to_here().add_(delta)` (to_here
+copies: the owner's tensor never changes); `rref.rpc_sync().add(delta)` (runs on the owner
+but out of place); `rref.local_value()` on a worker that is not the owner; returning
+nothing, or an unwaited future (`rpc_async()` without `.wait()`: no tensor comes back). Two
+calls in a row check that the second sees the first's change (a copy would not).
 """
 
 from __future__ import annotations

@@ -3,6 +3,14 @@
 `check_join_gradient` tests a learner's gradient of one step under `Join`: given each rank's
 gradient and which ranks are still active, the gradient every rank gets (joined ranks add
 zeros; the sum is divided by the world size or by the number of active ranks).
+
+What happens without Join (the active ranks wait forever in an all_reduce the joined ones
+never call) is shown on ranks in notebook 29; this checker is the arithmetic Join does
+instead. Classic wrong answers it rejects (tests/test_checkers_uneven.py): a joined rank
+contributing its last gradient instead of zeros; the divisor ignoring
+divide_by_initial_world_size (always the world size, or always the active count); the
+active flags applied to the wrong ranks. The cases put joined ranks first, last and in the
+middle, and include a step where every rank is active.
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ def check_join_gradient(fn: Callable[..., Any]) -> Verdict:
         ([True, False, False, True], True),
         ([False, True, True, True], False),
         ([True, True], True),
+        ([True, True, True], False),
+        ([False, False, True, True], True),
     ]
     for i, (active, initial) in enumerate(cases):
         grads = [torch.randn(5, generator=g) for _ in active]
