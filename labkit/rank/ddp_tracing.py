@@ -78,6 +78,7 @@ def begin() -> None:
     """A cell begins: note the time and the recorder's counts (cheap: no entries are read)."""
     STATE.cell_start = time.time()
     STATE.cell_traced = STATE.enabled
+    STATE.switches = []
     STATE.windows = []
     STATE.fr_added = {}
     STATE.fr_enqueued = flight_recorder.enqueued() if STATE.enabled else None
@@ -159,11 +160,22 @@ def _seen(windows: list[tuple[float, float, tuple[int, ...]]], longest: float) -
     return seen
 
 
+def _tracing_at(when: float, switches: list[tuple[float, bool]]) -> bool:
+    """Whether tracing was on at `when` in this cell (`trace.set_enabled` calls in it)."""
+    on = STATE.cell_traced
+    for at, state in switches:
+        if at > when:
+            break
+        on = state
+    return on
+
+
 def collect() -> list[CommRecord]:
     """At the end of a cell: records of the collectives torch ran that no traced call issued,
     added to the cell's records in time order (see the module's doc)."""
-    if not (STATE.cell_traced and STATE.enabled):
-        return []
+    switches = sorted(STATE.switches)
+    if not STATE.cell_traced and not any(on for _, on in switches):
+        return []  # tracing was off all through the cell
     if STATE.fr_enqueued is not None and flight_recorder.enqueued() == STATE.fr_enqueued:
         return []  # no collective was enqueued in this cell
     raw = flight_recorder.raw_entries()
@@ -183,7 +195,7 @@ def collect() -> list[CommRecord]:
             continue
         name = (entry.get("process_group") or ["?"])[0]
         ranks = groups.get(name, ())
-        if seen(created, ranks):
+        if seen(created, ranks) or not _tracing_at(created, switches):
             continue
         STATE.seq[ranks] = seq = STATE.seq.get(ranks, 0) + 1
         STATE.fr_added[ranks] = STATE.fr_added.get(ranks, 0) + 1

@@ -131,6 +131,7 @@ def progress() -> dict[str, Any]:
 
 def set_enabled(on: bool) -> None:
     STATE.enabled = on
+    STATE.switches.append((time.time(), on))  # collectives torch ran while off stay unrecorded
 
 
 @contextmanager

@@ -44,6 +44,7 @@ class _State:
         self.windows: list[tuple[float, float, tuple[int, ...]]] = []
         self.cell_start = 0.0  # time.time() when this cell began
         self.cell_traced = False  # tracing was on when this cell began
+        self.switches: list[tuple[float, bool]] = []  # (time.time(), on): `set_enabled` in it
         self.fr_enqueued: Any = None  # the Flight Recorder's per-group counts at cell start
         self.fr_last = -1  # the last Flight Recorder entry (record_id) read
         self.fr_added: dict[tuple[int, ...], int] = {}  # seq numbers given to them this cell
