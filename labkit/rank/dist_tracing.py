@@ -14,12 +14,18 @@ Each call is recorded under the name the user called, torch 2.13's `all_gather_s
 
 Point-to-point calls first pass `labkit.rank.gloo_guard`, tracing on or off: a CUDA tensor over
 gloo is refused with a message instead of crashing the rank.
+
+`Join.notify_join_context` hands the Work of its all_reduce of ones to DDP's C++ reducer, which
+takes torch's own Work only: that call goes straight to torch, unwrapped, and is recorded from
+the Flight Recorder like DDP's buckets (labkit.rank.ddp_tracing). Each traced call marks when
+torch has it (`trace_state.issued`), so the Flight Recorder's entry it made is not recorded twice.
 """
 
 from __future__ import annotations
 
 import functools
 import inspect
+import sys
 import threading
 import time
 from typing import Any
@@ -31,6 +37,7 @@ from labkit.rank.trace_state import (
     cuda_event,
     end_event,
     group_ranks,
+    issued,
     new_record,
     tensors_of,
 )
@@ -59,6 +66,12 @@ OPS: dict[str, tuple[str | None, str | None]] = {
     "batch_isend_irecv": ("p2p_op_list", None),
 }
 ASYNC_ALWAYS = {"isend", "irecv", "batch_isend_irecv"}
+JOIN = ("notify_join_context", "join.py")  # the caller whose Work goes to DDP's C++ reducer
+
+
+def _from_join() -> bool:
+    code = sys._getframe(2).f_code
+    return code.co_name == JOIN[0] and code.co_filename.endswith(JOIN[1])
 
 
 def _wrap(op: str, fn: Any) -> Any:
@@ -73,7 +86,7 @@ def _wrap(op: str, fn: Any) -> Any:
             tensor = args[0] if args else kwargs.get("tensor")
             group = args[2] if len(args) > 2 else kwargs.get("group")
             refuse_cuda_over_gloo(op, tensor, group)
-        if not STATE.enabled:
+        if not STATE.enabled or (op == "all_reduce" and _from_join()):
             return fn(*args, **kwargs)
         main = threading.get_ident() == STATE.main  # DDP's hooks may run on autograd threads
         if main and STATE.inside:
@@ -110,6 +123,7 @@ def _wrap(op: str, fn: Any) -> Any:
             finally:
                 if main:
                     STATE.inside = False
+                issued(rec)
             rec.end = time.time()  # issued; completion moves it later
             return _complete_on_wait(work, [rec], event)
         if main:
@@ -117,6 +131,7 @@ def _wrap(op: str, fn: Any) -> Any:
         try:
             return fn(*args, **kwargs)
         finally:
+            issued(rec)
             rec.end = time.time()
             end_event(rec, event)
             if main:
@@ -132,10 +147,13 @@ def _batch(fn: Any, args: Any, kwargs: Any, main: bool) -> Any:
     if not main:
         return fn(*args, **kwargs)
     STATE.batch = batch = []
+    called = time.time()
     try:
         works = fn(*args, **kwargs)
     finally:
         STATE.batch = None
+        # a coalesced batch (NCCL) may make its entry after its last op's call returned
+        STATE.windows.append((called, time.time(), ()))
     if works and not any(isinstance(w, TracedWork) for w in works):  # coalesced
         return [TracedWork(w, batch, None) for w in works]
     return works

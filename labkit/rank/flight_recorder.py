@@ -7,7 +7,8 @@ it through torch's private `torch._C._distributed_c10d._dump_fr_trace_json` (che
 2.13 with gloo); where that is missing, it says why instead of failing. `tail_text()` is what a
 rank adds to its stacks (labkit.rank.stacks), so `lab.stacks()` and a stuck cell's message show
 the last collectives each rank entered, read by the heartbeat thread while the main thread
-waits in one.
+waits in one. `raw_entries()` and `enqueued()` are what `labkit.rank.ddp_tracing` reads at the
+end of a cell to record the collectives torch issued from C++ (DDP's buckets).
 
 This module never imports IPython, ipywidgets or plotly.
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import pickle
 import time
 from typing import Any
 
@@ -45,6 +47,40 @@ def _dump() -> dict[str, Any]:
             f"_dump_fr_trace_json: {exc}); labkit reads it as torch 2.13 has it"
         ) from None
     return json.loads(_dump_fr_trace_json(True, False))
+
+
+def enqueued() -> dict[str, Any] | None:
+    """Per process group, the last collective (and p2p) sequence number torch enqueued, or None
+    when the recorder cannot say; a cheap read (no entries): two equal answers mean that no
+    collective was issued in between."""
+    if os.environ.get(ENV, "0") in ("", "0"):
+        return None
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        status = pickle.loads(_dump_fr_trace(False, False, False)).get("pg_status")
+    except Exception:  # noqa: BLE001 - a private API: when it fails, the caller reads entries
+        return None
+    if not status:
+        return None
+    return {
+        pg: {k: v for k, v in sorted(s.items()) if k.startswith("last_enqueued")}
+        for pg, s in status.items()
+    }
+
+
+def raw_entries() -> list[dict[str, Any]] | str:
+    """torch's entries as torch dumps them (no stacks: symbolising them took 24 s the first
+    time), oldest first, or why there are none. The pickled dump is read: it is 2-4x cheaper
+    than the JSON one for the same entries."""
+    if os.environ.get(ENV, "0") in ("", "0"):
+        return f"the Flight Recorder is off on this rank ({ENV} is not set, or 0)"
+    try:
+        from torch._C._distributed_c10d import _dump_fr_trace
+
+        return list(pickle.loads(_dump_fr_trace(True, False, False)).get("entries", []))
+    except Exception as exc:  # noqa: BLE001 - a private API: say what went wrong, never fail
+        return f"the Flight Recorder could not be read: {type(exc).__name__}: {exc}"
 
 
 def _entry(e: dict[str, Any]) -> dict[str, Any]:

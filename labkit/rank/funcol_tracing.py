@@ -25,6 +25,7 @@ from labkit.rank.trace_state import (
     add_record,
     cuda_event,
     end_event,
+    issued,
     new_record,
     tensors_of,
 )
@@ -88,6 +89,7 @@ def _wrap_funcol(funcol: Any, name: str, fn: Any) -> Any:
             out = fn(*args, **kwargs)
         finally:
             STATE.inside = False
+            issued(rec)
             rec.end = time.time()
         for res in out if isinstance(out, list) else [out]:
             elem = getattr(res, "elem", None)  # an AsyncCollectiveTensor: waited on later

@@ -14,9 +14,11 @@ record they build is `trace_state`):
   imported them from there, `P2POp(dist.isend, ...)` (which checks identity) and
   `batch_isend_irecv` (which calls each op's function) all reach the wrapper; a batch leaves one
   `isend`/`irecv` record per op, as torch.distributed.pipelining issues them;
-- DDP's reducer calls the process group from C++, so at a DDP module's first forward, when no
-  comm hook is registered, labkit registers `default_hooks.allreduce_hook`: the same average
-  (divide by the group size, then sum), issued through `dist.all_reduce`, one record per bucket;
+- DDP's reducer calls the process group from C++ (its bucket all_reduces, its start-up
+  broadcast): labkit leaves DDP untouched and, at the end of each cell (`end_cell`), turns the
+  entries torch's Flight Recorder made for collectives no traced call issued into records
+  marked `recorded_by="flight_recorder"`, issue time as start, no end measured on gloo
+  (`ddp_tracing`);
 - DTensor communicates through functional collectives (`_functional_collectives.all_reduce`,
   `all_gather_single`, `reduce_scatter_single`, `all_to_all_single`, ...): those are wrapped
   when that module is imported (it costs 65 ms, so it is not imported for you), and an op
@@ -45,6 +47,7 @@ from labkit.wire.records import CommRecord, SpanRecord
 __all__ = [
     "begin_cell",
     "current",
+    "end_cell",
     "install",
     "progress",
     "records",
@@ -58,7 +61,6 @@ def install() -> None:
     if STATE.installed:
         return
     dist_tracing.install()
-    ddp_tracing.install()
     funcol_tracing.install()
     STATE.installed = True
 
@@ -71,6 +73,19 @@ def begin_cell(cell: int, rank: int) -> None:
     STATE.order.append(cell)
     while len(STATE.order) > KEEP_CELLS:
         STATE.records.pop(STATE.order.popleft(), None)
+    ddp_tracing.begin()
+
+
+def end_cell() -> None:
+    """The cell's code has returned: record the collectives torch issued from C++ (ddp_tracing)."""
+    try:
+        ddp_tracing.collect()
+    except Exception as exc:  # noqa: BLE001 - the trace may miss them; the cell's result stands
+        import sys
+
+        print(
+            f"labkit: the Flight Recorder's collectives were not recorded: {exc!r}", file=sys.stderr
+        )
 
 
 def records(cell: int | None = None) -> list[CommRecord | SpanRecord]:
@@ -101,8 +116,9 @@ def progress() -> dict[str, Any]:
     """How far this rank got: collectives per group, p2p messages per peer (for the watchdog)."""
     for _ in range(3):  # read from the heartbeat thread while the main thread may add keys
         try:
+            added = STATE.fr_added  # this cell's, numbered at its end: not traced calls
             return {
-                "seq": dict(STATE.seq),
+                "seq": {g: n - added.get(g, 0) for g, n in STATE.seq.items()},
                 "sent": {peer: n for (kind, peer), n in STATE.p2p.items() if kind == "sent"},
                 "received": {
                     peer: n for (kind, peer), n in STATE.p2p.items() if kind == "received"
@@ -115,6 +131,7 @@ def progress() -> dict[str, Any]:
 
 def set_enabled(on: bool) -> None:
     STATE.enabled = on
+    STATE.switches.append((time.time(), on))  # collectives torch ran while off stay unrecorded
 
 
 @contextmanager

@@ -2,8 +2,10 @@
 
 `STATE` holds the records of the last `KEEP_CELLS` cells, the per-group and per-peer call
 counts, the op the main thread is inside and the CUDA events not yet resolved. The wrappers
-(`dist_tracing`, `funcol_tracing`) build each record with `new_record` and time it on the
-device with `cuda_event` / `end_event`; `labkit.rank.trace` is the public face.
+(`dist_tracing`, `funcol_tracing`) build each record with `new_record`, time it on the device
+with `cuda_event` / `end_event` and mark with `issued` the moment torch has the call (so
+`ddp_tracing` can tell the Flight Recorder's entries they made from those torch issued from
+C++); `labkit.rank.trace` is the public face.
 """
 
 from __future__ import annotations
@@ -37,6 +39,15 @@ class _State:
         self.batch: list[CommRecord] | None = None  # records of the batch_isend_irecv running
         self.waiting: dict[int, tuple[Any, CommRecord]] = {}  # funcol result -> its record
         self.events: list[tuple[CommRecord, Any, Any]] = []  # CUDA events not yet resolved
+        # this cell's traced calls: (called, issued, group ranks); a Flight Recorder entry
+        # created inside one of them on its group is that call's (labkit.rank.ddp_tracing)
+        self.windows: list[tuple[float, float, tuple[int, ...]]] = []
+        self.cell_start = 0.0  # time.time() when this cell began
+        self.cell_traced = False  # tracing was on when this cell began
+        self.switches: list[tuple[float, bool]] = []  # (time.time(), on): `set_enabled` in it
+        self.fr_enqueued: Any = None  # the Flight Recorder's per-group counts at cell start
+        self.fr_last = -1  # the last Flight Recorder entry (record_id) read
+        self.fr_added: dict[tuple[int, ...], int] = {}  # seq numbers given to them this cell
 
 
 STATE = _State()
@@ -44,6 +55,12 @@ STATE = _State()
 
 def add_record(rec: CommRecord | SpanRecord) -> None:
     STATE.records.setdefault(STATE.cell, []).append(rec)
+
+
+def issued(rec: CommRecord, group: tuple[int, ...] | None = None) -> None:
+    """torch has the call `rec` made: the Flight Recorder's entries on its group created since
+    `rec.start` are this call's, not collectives torch issued on its own."""
+    STATE.windows.append((rec.start, time.time(), rec.group if group is None else group))
 
 
 def tensors_of(obj: Any) -> list[Any]:

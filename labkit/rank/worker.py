@@ -250,6 +250,7 @@ class Rank(SideChannel):
         finally:
             self.in_user_code = False
         duration = time.perf_counter() - t0
+        trace.end_cell()  # torch's own collectives (DDP's buckets), from its Flight Recorder
         self.capture.flush()
         self.busy_cell = None
         self.quiet_since = time.monotonic()

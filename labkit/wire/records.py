@@ -35,6 +35,10 @@ class CommRecord:
     async_op: bool = False
     reduce_op: str | None = None  # SUM, AVG, MAX, ... where it applies
     device_time: float | None = None  # seconds measured with CUDA events, when on CUDA
+    # "" when labkit's wrapper saw the call; "flight_recorder" for a collective torch issued
+    # from C++ (DDP's buckets), read from torch's Flight Recorder: start is when torch created
+    # it (issued it), end = start (gloo records no completion), no line (labkit.rank.ddp_tracing)
+    recorded_by: str = ""
     kind: str = field(default="comm", repr=False)
 
     @property
