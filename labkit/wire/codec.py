@@ -299,7 +299,11 @@ class Codec:
         if len(signature) != NONCE_BYTES + 16 or not hmac.compare_digest(
             signature, self._sign(body, signature[:NONCE_BYTES])
         ):
-            raise AuthenticationError("message signature does not match this lab's key")
+            raise AuthenticationError(
+                "message signature does not match this lab's key (forged or corrupted; from a "
+                "rank, a tensor it sent back may have changed while it was being sent: a "
+                "request not waited for, such as an irecv or an async_op, still writing into it)"
+            )
         if not self._first_time(signature[:NONCE_BYTES]):
             raise AuthenticationError(
                 "replayed message: this sender's message with this counter was received before"
