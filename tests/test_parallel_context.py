@@ -7,7 +7,6 @@ merge of partial results against one softmax."""
 from __future__ import annotations
 
 import math
-import statistics
 
 import pytest
 import torch
@@ -175,14 +174,15 @@ def _timed_rank(rank: int, world_size: int, seq: int, dim: int) -> dict:
 @pytest.mark.timeout(240)
 def test_compute_time_balances_under_zigzag() -> None:
     # CPU time of each rank's compute, against the FLOPs above: contiguous 1:2:3:4 (less in time:
-    # the step-0 diagonal block costs more per pair, for its mask), zig-zag equal
-    # at 9/16 of contiguous's busiest; loose bounds, for a busy machine
+    # the step-0 diagonal block costs more per pair, for its mask), zig-zag equal at 9/16 of
+    # contiguous's busiest (more in time where ranks share cores and all compute at once); loose
+    # bounds, for a busy machine. Whole blocks at every step would take zig-zag to 16/16.
     times = run_ranks(_timed_rank, 4, 1024, 256)
     contiguous = [t["contiguous"] for t in times]
     zigzag = [t["zigzag"] for t in times]
     assert 2 < max(contiguous) / min(contiguous) < 6, contiguous
     assert max(zigzag) / min(zigzag) < 1.5, zigzag
-    assert max(zigzag) < 0.8 * max(contiguous), (zigzag, contiguous)
+    assert max(zigzag) < 0.9 * max(contiguous), (zigzag, contiguous)
 
 
 def test_plans_by_hand() -> None:

@@ -168,13 +168,15 @@ class RingResult(NamedTuple):
 
 
 class _Clock:
-    """The compute's own time, step by step: on the CPU the process's CPU time (all its threads,
-    torch's intra-op ones included; waiting for the neighbour and other processes on a busy
-    machine do not count, gloo copying a block in flight does, small beside the compute); on a
-    GPU CUDA events, since there the host only queues the kernels."""
+    """The compute's own time, step by step. On the CPU, CPU time, so that waiting for the
+    neighbour and the other processes of a busy machine do not count: the calling thread's
+    when torch computes on it alone (`torch.set_num_threads(1)`), else the whole process's
+    (then other threads of the process count too: gloo's, a lab's). On a GPU, CUDA events,
+    since there the host only queues the kernels."""
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
+        self.now = time.thread_time if torch.get_num_threads() == 1 else time.process_time
         self.marks: list = []
 
     def start(self) -> None:
@@ -182,7 +184,7 @@ class _Clock:
             self._start = torch.cuda.Event(enable_timing=True)
             self._start.record()
         else:
-            self._start = time.process_time()
+            self._start = self.now()
 
     def stop(self) -> None:
         if self.cuda:
@@ -190,7 +192,7 @@ class _Clock:
             end.record()
             self.marks.append((self._start, end))
         else:
-            self.marks.append(time.process_time() - self._start)
+            self.marks.append(self.now() - self._start)
 
     def seconds(self) -> list[float]:
         if not self.cuda:
