@@ -21,8 +21,8 @@ the pieces of one step: for each of this rank's query chunks, the block's key ch
 computed as one rectangle, without a mask where every pair is visible and with it where the
 query chunk meets itself. A key chunk after the query chunk is not computed at all. That is
 what FlashAttention does at the granularity of its tiles (it skips tiles above the diagonal and
-masks inside the diagonal ones); an eager `q @ k.T` on the CPU computes whatever it is given,
-so the skipping has to be in the plan.
+masks inside the diagonal ones); an eager `q @ k.T` computes whatever it is given, on any
+device (so does SDPA's math backend), so here the skipping has to be in the plan.
 
 Causal masks make the work uneven. With the contiguous layout (rank r: positions
 [r*c, (r+1)*c)), rank r's queries see r*c earlier keys plus a triangle of its own:
@@ -35,7 +35,9 @@ query chunk against the whole block (the block came from a later rank) or both q
 against the block's early chunk (from an earlier rank), 2 h*h, so every rank computes
     computed_r = h*h*(2n + 1),   visible_r = h*h*(2n - 1) + h(h + 1),
 and the busiest rank computes (2n+1)/(4n) of the contiguous layout's busiest. torch's
-`context_parallel` does the same (its head-tail load balancer, `_templated_ring_attention`).
+`context_parallel` makes the same two cases after step 0 (its head-tail load balancer,
+`_templated_ring_attention`); at step 0 it calls a causal kernel on the rank's own 2h
+positions and leaves the skipping of the hidden quarter to the kernel.
 
 Bytes: each rank sends n - 1 messages, each its current K and V block: c*(d_k + d_v)*b bytes
 (b bytes per element), whatever the layout.
