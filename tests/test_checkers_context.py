@@ -1,8 +1,8 @@
 """The checkers of the context-parallel notebook 36 (in this process): right answers pass, the
 classic wrong ones are named: merges that leave log space (overflow at large scores), rescale
-by the wrong block, drop the guard for empty blocks, or lose lse to bfloat16; causal masks that
-forget the chunk's offset, hide the diagonal or point the wrong way; zig-zag layouts that
-overlap, do not balance, or hold the late chunk first."""
+by the wrong block, drop the guard for empty blocks, or round lse or the running output to
+bfloat16; causal masks that forget the chunk's offset, hide the diagonal or point the wrong way;
+zig-zag layouts that overlap, do not balance, or hold the late chunk first."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ def merge_by_rows(o_a, lse_a, o_b, lse_b):  # python loop, numbers as floats
             continue
         m = max(a, b)
         s = math.exp(a - m) + math.exp(b - m)
-        out.append((math.exp(a - m) * o_a[i] + math.exp(b - m) * o_b[i]) / s)
+        out.append((math.exp(a - m) * o_a[i].float() + math.exp(b - m) * o_b[i].float()) / s)
         lses.append(m + math.log(s))
     return torch.stack(out), torch.tensor(lses)
 
@@ -73,6 +73,11 @@ def merge_in_output_dtype(o_a, lse_a, o_b, lse_b):  # lse cast to o's dtype (bfl
     return o, lse.float()
 
 
+def merge_accumulates_in_bfloat16(o_a, lse_a, o_b, lse_b):  # right lse, o rounded each merge
+    o, lse = merge_reference(o_a, lse_a, o_b, lse_b)
+    return o.to(o_a.dtype), lse
+
+
 def merge_average(o_a, lse_a, o_b, lse_b):
     return (o_a + o_b) / 2, torch.logaddexp(lse_a, lse_b)
 
@@ -101,6 +106,7 @@ def merge_keeps_first(o_a, lse_a, o_b, lse_b):
         (merge_out_of_log_space, False, "scores near +200, blocks a then b: it gives nan or inf"),
         (merge_first_block_max, False, "block b 150 above block a, blocks a then b: it gives nan"),
         (merge_in_output_dtype, False, "o in bfloat16, lse in float32, scores near 300"),
+        (merge_accumulates_in_bfloat16, False, "the merged o is torch.bfloat16; keep the"),
         (merge_average, False, "blocks a then b: it averages the blocks"),
         (merge_lse_max, False, "o is right but lse is not"),
         (merge_unnormalised, False, "lse is right but o is not"),

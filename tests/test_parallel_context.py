@@ -1,8 +1,8 @@
 """Ring attention on 2 and 4 gloo ranks against full attention in one process (outputs, lse and
-the gradient of each rank's queries), both layouts, causal and not, seeded, float32; what each
-rank computed, counted by torch's FLOP counter and timed, against cases worked out by hand; the
-bytes it sent (from labkit's trace); the K/V buffers alive at once, from torch's profiler; the
-merge of partial results against one softmax."""
+the gradient of each rank's queries), both layouts, causal and not, seeded, float32 (and bfloat16
+blocks, merged in float32); what each rank computed, counted by torch's FLOP counter and timed,
+against cases worked out by hand; the bytes it sent (from labkit's trace); the K/V buffers alive
+at once, from torch's profiler; the merge of partial results against one softmax."""
 
 from __future__ import annotations
 
@@ -64,15 +64,29 @@ def _cp_rank(rank: int, world_size: int) -> dict:
     # the K/V buffers alive at once: blocks of c x 2D floats; nothing else here has that size
     block = SEQ // world_size * 2 * D * 4
     out["kv_peak"] = live_peak(lambda: ring_attention(q[mine], k[mine], v[mine], "zigzag"), block)
+    # bfloat16 blocks, scores in the hundreds: lse and the running output stay float32
+    big = [(t * 12).bfloat16().double() for t in (q, k, v)]  # the reference sees bf16 inputs
+    res = ring_attention(*(t[mine].bfloat16() for t in big), "zigzag")
+    want = attention(*big, causal=True)[mine]
+    s = big[0] @ big[1].T / math.sqrt(D)
+    lse = torch.logsumexp(s.masked_fill(torch.ones(SEQ, SEQ).bool().triu(1), -math.inf), -1)
+    out["bf16"] = {
+        "dtypes": (res.out.dtype, res.lse.dtype),
+        "err": ((res.out.double() - want).abs() / want.abs().max()).max().item(),
+        "lse_err": (res.lse.double() - lse[mine]).abs().max().item(),
+        "lse_max": lse.abs().max().item(),
+    }
+    if world_size == 4:  # compute time per rank (see test_compute_time_balances_under_zigzag)
+        out["seconds"] = _timed(rank, world_size, 1024, 256)
     return out
 
 
 @pytest.fixture(scope="module", params=[2, 4])
 def ranks(request) -> list[dict]:
-    return run_ranks(_cp_rank, request.param)
+    return run_ranks(_cp_rank, request.param, timeout=240)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_ring_attention_equals_full(ranks: list[dict]) -> None:
     for res in ranks:
         for key in CASES:
@@ -80,7 +94,7 @@ def test_ring_attention_equals_full(ranks: list[dict]) -> None:
             assert r["err"] < ATOL and r["lse_err"] < ATOL and r["grad_err"] < ATOL, (key, r)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_layouts_cover_the_sequence_once(ranks: list[dict]) -> None:
     n = len(ranks)
     for layout in ("contiguous", "zigzag"):
@@ -111,7 +125,7 @@ HAND_FLOPS = {
 }
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_executed_flops_by_hand(ranks: list[dict]) -> None:
     n = len(ranks)
     for key in CASES:
@@ -130,7 +144,7 @@ def test_executed_flops_by_hand(ranks: list[dict]) -> None:
         assert res[("zigzag", True)]["computed"][1:] == [2 * (SEQ // (2 * n)) ** 2] * (n - 1)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_visible_pairs_and_bytes(ranks: list[dict]) -> None:
     n = len(ranks)
     for layout, causal in CASES:
@@ -153,36 +167,49 @@ def test_visible_pairs_and_bytes(ranks: list[dict]) -> None:
     assert ranks[0][("contiguous", True)]["computed"][1:] == [0] * (n - 1)
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(300)
 def test_ring_holds_two_kv_blocks(ranks: list[dict]) -> None:
     # the block it computes with and the one arriving, beside the rank's own K and V
     assert [res["kv_peak"] for res in ranks] == [2] * len(ranks)
 
 
-def _timed_rank(rank: int, world_size: int, seq: int, dim: int) -> dict:
-    torch.set_num_threads(1)
+def _timed(rank: int, world_size: int, seq: int, dim: int) -> dict:
+    torch.set_num_threads(1)  # then the clock is the computing thread's CPU time
     torch.manual_seed(0)
     q, k, v = (torch.randn(seq, dim) for _ in range(3))
-    out = {}
-    for layout in ("contiguous", "zigzag"):
-        mine = positions(seq, world_size, rank, layout)
-        runs = [sum(ring_attention(q[mine], k[mine], v[mine], layout).compute_s) for _ in range(5)]
-        out[layout] = min(runs)  # the least disturbed run, on a busy machine
-    return out
+    runs: dict[str, list[float]] = {"contiguous": [], "zigzag": []}
+    for _ in range(5):  # the layouts in turn, so both meet the same load on a busy machine
+        for layout, times in runs.items():
+            mine = positions(seq, world_size, rank, layout)
+            times.append(sum(ring_attention(q[mine], k[mine], v[mine], layout).compute_s))
+    return {layout: min(times) for layout, times in runs.items()}  # the least disturbed run
 
 
-@pytest.mark.timeout(240)
-def test_compute_time_balances_under_zigzag() -> None:
-    # CPU time of each rank's compute, against the FLOPs above: contiguous 1:2:3:4 (less in time:
-    # the step-0 diagonal block costs more per pair, for its mask), zig-zag equal at 9/16 of
-    # contiguous's busiest (more in time where ranks share cores and all compute at once); loose
-    # bounds, for a busy machine. Whole blocks at every step would take zig-zag to 16/16.
-    times = run_ranks(_timed_rank, 4, 1024, 256)
-    contiguous = [t["contiguous"] for t in times]
-    zigzag = [t["zigzag"] for t in times]
+@pytest.mark.timeout(300)
+def test_bfloat16_blocks_merge_in_float32(ranks: list[dict]) -> None:
+    # lse in bfloat16 would be off by up to 1 at these magnitudes, and each merge rounded to
+    # bfloat16 would add its error to the output; float32 keeps both to bfloat16's last digit
+    for res in ranks:
+        bf = res["bf16"]
+        assert bf["dtypes"] == (torch.bfloat16, torch.float32), bf
+        assert bf["lse_max"] > 100 and bf["lse_err"] < 1e-3 and bf["err"] < 1e-2, bf
+
+
+@pytest.mark.timeout(300)
+def test_compute_time_balances_under_zigzag(ranks: list[dict]) -> None:
+    # CPU time of each rank's compute (S = 1024, d = 256, 4 ranks), against the FLOPs: contiguous
+    # 1:2:3:4, zig-zag 9:9:9:9 at 9/16 of contiguous's busiest. Time is above 9/16 (about 0.6 to
+    # 0.8 here): the step-0 pieces are masked, which costs more per pair, and zig-zag runs more,
+    # smaller pieces. Whole blocks at every step (what the plan avoids) ran 1.2 to 1.3 times
+    # contiguous's busiest in one process when these bounds were chosen. Loose bounds, for a busy
+    # machine.
+    if len(ranks) != 4:
+        pytest.skip("timed on 4 ranks")
+    contiguous = [res["seconds"]["contiguous"] for res in ranks]
+    zigzag = [res["seconds"]["zigzag"] for res in ranks]
     assert 2 < max(contiguous) / min(contiguous) < 6, contiguous
-    assert max(zigzag) / min(zigzag) < 1.5, zigzag
-    assert max(zigzag) < 0.9 * max(contiguous), (zigzag, contiguous)
+    assert max(zigzag) / min(zigzag) < 1.75, zigzag
+    assert max(zigzag) < 0.95 * max(contiguous), (zigzag, contiguous)
 
 
 def test_plans_by_hand() -> None:

@@ -5,7 +5,9 @@ softmax over both blocks (computed in float64): blocks from random causal attent
 that see no key in one block or in either; scores in the hundreds, where exp overflows float32
 (above about 88.7) or underflows to 0 (below about -103) unless the merge stays in log space,
 and blocks whose lse differ by more than 88.7, where rescaling by the wrong block's value
-overflows; and outputs in bfloat16 beside a float32 lse, as FlashAttention returns them.
+overflows; and outputs in bfloat16 beside a float32 lse, as FlashAttention returns them: the
+merged lse must stay float32 (bfloat16 is off by up to 1 near 300) and so must the merged o,
+the running accumulator of the ring.
 
 `check_causal_mask` tests the mask of one block of a ring step from global positions: every
 (rank, step) block of the contiguous and the zig-zag layouts, where a local triangle (the chunk
@@ -131,9 +133,17 @@ def check_merge(fn: Callable[..., Any]) -> Verdict:
         ):
             try:
                 got = fn(first[0].clone(), first[1].clone(), second[0].clone(), second[1].clone())
-                o, lse = (torch.as_tensor(t).float() for t in got)
+                o, lse = (torch.as_tensor(t) for t in got)
             except Exception as exc:  # noqa: BLE001 - a learner's error is a verdict
                 return wrong(f"{what}, {order}: raised {type(exc).__name__}: {exc}")
+            if o_a.dtype == torch.bfloat16 and o.dtype not in (torch.float32, torch.float64):
+                return wrong(
+                    f"{what}, {order}: the merged o is {o.dtype}; keep the running output in "
+                    "float32 (the ring merges n blocks, and rounding each merge to bfloat16 "
+                    "adds up; torch's ring and ring-flash-attention accumulate in float32 and "
+                    "round once, at the end)"
+                )
+            o, lse = o.float(), lse.float()
             if o.shape != want[0].shape or lse.shape != want[1].shape:
                 return wrong(
                     f"{what}: returned shapes {tuple(o.shape)}, {tuple(lse.shape)}; "

@@ -142,13 +142,16 @@ def block_attention(
     k_pos: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(o, lse) of q against one block: o = softmax(s) V within the block, lse = logsumexp(s)
-    per row; with positions, keys after the query are masked (a fully masked row: o 0, -inf)."""
-    s = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
+    per row; with positions, keys after the query are masked (a fully masked row: o 0, -inf).
+    As FlashAttention returns them: scores, softmax and lse in float32 at least, whatever q's
+    dtype (a bfloat16 lse is off by up to 1 at scores near 300), o in v's dtype."""
+    acc = torch.promote_types(q.dtype, torch.float32)  # scores rounded to bfloat16 lose ~1 at 300
+    s = q.to(acc) @ k.to(acc).transpose(-1, -2) / math.sqrt(q.shape[-1])
     if q_pos is not None and k_pos is not None:
         s = s.masked_fill(k_pos[None, :].to(s.device) > q_pos[:, None].to(s.device), -math.inf)
     lse = torch.logsumexp(s, dim=-1)
     p = torch.exp(s - lse[:, None]).nan_to_num(0.0)  # -inf - -inf on a fully masked row
-    return p @ v, lse
+    return p.to(v.dtype) @ v, lse
 
 
 def merge(
@@ -162,8 +165,8 @@ def merge(
 
 
 class RingResult(NamedTuple):
-    out: torch.Tensor  # [S/n, d_v] this rank's rows of the attention output
-    lse: torch.Tensor  # [S/n] their log-sum-exp over every visible key
+    out: torch.Tensor  # [S/n, d_v] this rank's rows of the attention output, in v's dtype
+    lse: torch.Tensor  # [S/n] their log-sum-exp over every visible key, float32 at least
     visible: list[int]  # visible (query, key) pairs in the block held at each step
     computed: list[int]  # (query, key) pairs computed at each step (0: nothing to compute)
     compute_s: list[float]  # seconds of compute at each step (see `_Clock`)
@@ -222,9 +225,12 @@ def ring_attention(
     q_pos = positions(seq_len, n, rank, layout)
     size = seq_len // (n if layout == "contiguous" else 2 * n)
     kv = torch.cat([k, v], dim=-1).contiguous()
-    # one accumulator per query chunk: a step may compute only some of them
-    outs = [q.new_zeros((size, v.shape[-1])) for _ in range(q.shape[0] // size)]
-    lses = [q.new_full((size,), -math.inf) for _ in outs]
+    # one accumulator per query chunk (a step may compute only some of them), in float32 at
+    # least, whatever q's dtype, as torch's ring and ring-flash-attention keep theirs: n merges
+    # rounded to bfloat16 one by one would add their errors
+    acc = torch.promote_types(q.dtype, torch.float32)
+    outs = [q.new_zeros((size, v.shape[-1]), dtype=acc) for _ in range(q.shape[0] // size)]
+    lses = [q.new_full((size,), -math.inf, dtype=acc) for _ in outs]
     nxt = dist.get_global_rank(group, (rank + 1) % n) if group is not None else (rank + 1) % n
     prv = dist.get_global_rank(group, (rank - 1) % n) if group is not None else (rank - 1) % n
     visible, computed, clock = [], [], _Clock(q.device)
@@ -255,7 +261,8 @@ def ring_attention(
             w.wait()
         if pending:
             kv = incoming
-    return RingResult(torch.cat(outs), torch.cat(lses), visible, computed, clock.seconds())
+    out = torch.cat(outs).to(v.dtype)  # rounded once, at the end
+    return RingResult(out, torch.cat(lses), visible, computed, clock.seconds())
 
 
 def work_per_rank(seq_len: int, world_size: int, layout: str, causal: bool = True) -> list[int]:
