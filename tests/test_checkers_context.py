@@ -1,8 +1,9 @@
 """The checkers of the context-parallel notebook 36 (in this process): right answers pass, the
 classic wrong ones are named: merges that leave log space (overflow at large scores), rescale
 by the wrong block, drop the guard for empty blocks, or round lse or the running output to
-bfloat16; causal masks that forget the chunk's offset, hide the diagonal or point the wrong way;
-zig-zag layouts that overlap, do not balance, or hold the late chunk first."""
+bfloat16; causal masks that forget the chunk's offset, hide the diagonal, point the wrong way or
+mark the visible keys; zig-zag layouts that overlap, do not balance, or hold the late chunk
+first."""
 
 from __future__ import annotations
 
@@ -155,6 +156,10 @@ def mask_reversed(q_pos, k_pos):
     return k_pos[None, :] < q_pos[:, None]
 
 
+def mask_visible(q_pos, k_pos):  # SDPA's boolean attn_mask: True where the key takes part
+    return k_pos[None, :] <= q_pos[:, None]
+
+
 def mask_first_offset(q_pos, k_pos):  # one offset per block: right for contiguous slices only
     offset = int(k_pos[0] - q_pos[0])
     return torch.ones(len(q_pos), len(k_pos), dtype=torch.bool).triu(1 + offset)
@@ -168,6 +173,7 @@ def mask_first_offset(q_pos, k_pos):  # one offset per block: right for contiguo
         (mask_local_triangle, False, "it is the local triangle"),
         (mask_hides_self, False, "a query sees itself"),
         (mask_reversed, False, "it is reversed"),
+        (mask_visible, False, "the convention of SDPA's boolean attn_mask"),
         (mask_first_offset, False, "contiguous, rank 0, step 1 (the block of rank 3)"),
         (mask_first_offset, False, "hidden pairs differ from k_pos > q_pos"),
         (lambda q_pos, k_pos: q_pos, False, "shape (4,), expected (4, 4)"),

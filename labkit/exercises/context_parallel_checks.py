@@ -11,7 +11,8 @@ the running accumulator of the ring.
 
 `check_causal_mask` tests the mask of one block of a ring step from global positions: every
 (rank, step) block of the contiguous and the zig-zag layouts, where a local triangle (the chunk
-offset forgotten), a mask that hides the diagonal, or one reversed differ from the right one.
+offset forgotten), a mask that hides the diagonal, one reversed, or one True where visible
+(SDPA's attn_mask convention) differ from the right one.
 
 `check_zigzag` tests a layout function `fn(seq_len, world_size, rank)` -> positions: every
 position held once, the same visible work on every rank, and the order the ring's plan expects
@@ -215,6 +216,11 @@ def check_causal_mask(fn: Callable[..., Any]) -> Verdict:
         (
             lambda q, k: k[None, :] < q[:, None],
             "it is reversed: it hides the earlier keys, the causal mask hides the later",
+        ),
+        (
+            lambda q, k: k[None, :] <= q[:, None],
+            "it is True where the key is visible, the convention of SDPA's boolean attn_mask; "
+            "here True marks a hidden key, as masked_fill(mask, -inf) wants",
         ),
         (
             lambda q, k: torch.ones(len(q), len(k), dtype=torch.bool).triu(1),
