@@ -95,8 +95,8 @@ def _wire_per_op(rank: int, world_size: int) -> dict:
     from labkit.rank.socket_bytes import measure
 
     size = 16 << 20  # at 1 MiB gloo's reduce_scatter still sends ~3 % more on one rank
-    got = {op: wire_bytes(op, size) for op in ("all_reduce", "all_gather", "reduce_scatter")}
-    got["broadcast"] = wire_bytes("broadcast", size)
+    ops = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
+    got = {op: wire_bytes(op, size, device=torch.device("cpu")) for op in ops}
     # a naive all_reduce: gather every rank's whole buffer, then add up locally
     mine = torch.ones(size // 4)
     parts = [torch.empty_like(mine) for _ in range(world_size)]

@@ -107,7 +107,7 @@ def sweep(
     return rows
 
 
-def wire_bytes(op: str, nbytes: int, *, device: Any = "cpu", group: Any = None) -> tuple[int, int]:
+def wire_bytes(op: str, nbytes: int, *, device: Any, group: Any = None) -> tuple[int, int]:
     """(bytes sent, bytes received) by this rank in one `op` call on `nbytes` (S as above), as
     the OS counts them on the rank's TCP sockets, after one warm-up call (rank side; every rank
     of the group calls it). gloo moves every byte over TCP; NCCL moves most of them over NVLink,
