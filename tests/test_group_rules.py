@@ -62,7 +62,7 @@ def _reduce_ops(rank: int, world_size: int) -> dict:
     for name in dist.ReduceOp.RedOpType.__members__:
         op = getattr(dist.ReduceOp, name)
         if name == "PREMUL_SUM":
-            op = dist._make_nccl_premul_sum(0.5)
+            op = dist.ReduceOp.PREMUL_SUM(0.5)
         integer = name in ("BAND", "BOR", "BXOR")
         t = torch.tensor([(1 << rank) | 16, 7]) if integer else torch.tensor([rank + 1.0])
         try:
@@ -89,3 +89,25 @@ def test_gloo_runs_eight_of_torchs_nine_reduce_ops():
         assert list(got) == [*want, "PREMUL_SUM"]  # torch's list: nine ops, not four
         assert {k: got[k] for k in want} == want
         assert "PREMUL_SUM with Gloo" in got["PREMUL_SUM"]
+
+
+def test_premul_sum_is_made_by_its_enum_member_and_fsdp2_averages_by_default():
+    """Notebook 12: `ReduceOp.PREMUL_SUM(factor)` makes the op (no private helper needed), and
+    FSDP2 reduce-scatters fp32/bf16 gradients with AVG unless given a divide factor of its own."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+        _get_gradient_divide_factors,
+    )
+
+    assert isinstance(dist.ReduceOp.PREMUL_SUM(0.5), dist.ReduceOp)
+
+    class Group:  # what the function reads of a process group
+        def size(self):
+            return 4
+
+    for dtype in (torch.float32, torch.bfloat16):
+        *_, rs_op, _ = _get_gradient_divide_factors(Group(), None, dtype)
+        assert rs_op == dist.ReduceOp.AVG
+    *_, rs_op, _ = _get_gradient_divide_factors(Group(), None, torch.float32, factor=3.0)
+    assert rs_op not in (dist.ReduceOp.AVG, dist.ReduceOp.SUM)  # PREMUL_SUM(1/3)
