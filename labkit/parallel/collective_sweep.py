@@ -5,6 +5,9 @@ for all_gather the gathered output, for reduce_scatter the unsplit input), after
 and returns the median over `repeats` of the slowest rank's time: a collective is as fast as its
 slowest rank, so each rank's time is all-reduced with MAX. `sweep(ops, sizes)` returns one row
 per (op, size): {"op", "bytes", "seconds", "world_size"}, the same on every rank.
+`wire_bytes(op, nbytes)` counts instead the bytes this rank really sent and received in one call,
+from the OS's TCP counters (`labkit.rank.socket_bytes`): what the algorithm the backend chose
+moved, independent of any formula and of the machine's load.
 
 This module never imports IPython, ipywidgets or plotly.
 """
@@ -19,7 +22,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["OPS", "sweep", "time_collective"]
+from labkit.rank.socket_bytes import measure
+
+__all__ = ["OPS", "sweep", "time_collective", "wire_bytes"]
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 
@@ -100,3 +105,19 @@ def sweep(
             actual = max(p, nbytes // 4 // p * p) * 4
             rows.append({"op": op, "bytes": actual, "seconds": seconds, "world_size": p})
     return rows
+
+
+def wire_bytes(op: str, nbytes: int, *, device: Any, group: Any = None) -> tuple[int, int]:
+    """(bytes sent, bytes received) by this rank in one `op` call on `nbytes` (S as above), as
+    the OS counts them on the rank's TCP sockets, after one warm-up call (rank side; every rank
+    of the group calls it). gloo moves every byte over TCP; NCCL moves most of them over NVLink,
+    PCIe or shared memory, which no socket counts, so there it reads near 0."""
+    call = _call(op, nbytes, device, group)
+    call()  # warm-up: connections and buffers made outside the count
+    _sync(device)
+    dist.barrier(group=group)
+    with measure() as wire:
+        call()
+        _sync(device)
+    dist.barrier(group=group)
+    return wire.sent, wire.received
