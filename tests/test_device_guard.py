@@ -43,6 +43,59 @@ ALLOWED: dict[tuple[str, str], str] = {
         "notebooks/23_accumulation_clipping_syncbn.ipynb",
         'if kind == "cpu":',
     ): "branches on the rank's device type: SyncBatchNorm refuses CPU inputs",
+    (
+        "labkit/parallel/mixed_precision.py",
+        'AUTOCAST_DEVICES = ("cpu", "cuda")',
+    ): "the device types torch.autocast takes, each with its own rules (notebook 37)",
+    (
+        "labkit/parallel/mixed_precision.py",
+        'device_type: str = "cpu",',
+    ): "the autocast formula's default device type; callers pass the rank's",
+    (
+        "labkit/parallel/mixed_precision.py",
+        'core = lo * 4 * th + (lo if device_type == "cpu" else 4 + lo) * probs',
+    ): "CUDA autocast keeps softmax in fp32, CPU autocast does not: the formula branches on it",
+    (
+        "labkit/parallel/zero_redundancy.py",
+        'def __init__(self, device_type: str = "cpu") -> None:',
+    ): "AllocationPeak's default device type; notebooks 26 and 42 pass the rank's",
+    (
+        "notebooks/26_zero_fsdp.ipynb",
+        'if p["device"] == "cpu":',
+    ): "exact peak bounds are asserted on CPU ranks only; a GPU's streams free later",
+    (
+        "notebooks/35_expert_parallel.ipynb",
+        'if device.type == "cpu" else None',
+    ): "bytes are counted on sockets only on CPU ranks; NCCL passes no socket",
+    (
+        "notebooks/37_memory_of_a_step.ipynb",
+        'dev = "cuda" if on_gpu else "cpu"',
+    ): "the autocast device type follows the rank's device",
+    (
+        "notebooks/38_sequence_parallel.ipynb",
+        'on_sockets = device.type == "cpu" or "nccl" not in dist.get_backend()',
+    ): "bytes are counted on sockets only where gloo carries them",
+    (
+        "notebooks/39_two_d_parallelism.ipynb",
+        'on_sockets = device.type == "cpu" or "nccl" not in dist.get_backend()',
+    ): "bytes are counted on sockets only where gloo carries them",
+    (
+        "notebooks/42_finding_a_configuration.ipynb",
+        'on_cpu = lab.pull("peak_device")[0] == "cpu"',
+    ): "exact peak bounds are asserted on CPU ranks only; a GPU's streams free later",
+    (
+        "notebooks/42_finding_a_configuration.ipynb",
+        'with AllocationPeak("cpu") as fwd:',
+    ): "the loss's peak is measured on CPU tensors made for it, whatever the lab's device",
+    (
+        "notebooks/42_finding_a_configuration.ipynb",
+        'with AllocationPeak("cpu") as bwd:',
+    ): "the loss's peak is measured on CPU tensors made for it, whatever the lab's device",
+    (
+        "notebooks/36_context_parallel.ipynb",
+        'seconds, cpu_ranks = lab.pull("seconds"), '
+        'set(lab.pull("device.type").values()) == {"cpu"}',
+    ): "compute times are asserted on CPU ranks only; GPU kernels this small follow launches",
 }
 
 
