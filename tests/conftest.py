@@ -45,7 +45,7 @@ from processes import (  # noqa: E402
     wait_gone,
 )
 
-from labkit.kernel import log_dirs  # noqa: E402
+from labkit.kernel.inspection import log_dirs  # noqa: E402
 
 __all__ = ["pid_alive"]
 
@@ -56,7 +56,8 @@ _reported: set[Key] = set()  # named once already (and ended)
 
 def pytest_configure(config: pytest.Config) -> None:
     become_subreaper()
-    # the labs' logs go to a directory of this run's, removed at its end (labkit.kernel.log_dirs)
+    # the labs' logs go to a directory of this run's, removed at its end
+    # (labkit.kernel.inspection.log_dirs)
     if not os.environ.get(log_dirs.ENV):
         os.environ[log_dirs.ENV] = _LOGS.name
 

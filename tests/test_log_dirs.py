@@ -1,4 +1,4 @@
-"""labkit.kernel.log_dirs: one per-user root, old labs' logs pruned, live ones kept."""
+"""labkit.kernel.inspection.log_dirs: one per-user root, old labs' logs pruned, live ones kept."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from labkit.kernel import log_dirs
+from labkit.kernel.inspection import log_dirs
 
 
 def _lab_dir(root, name, size, mtime):

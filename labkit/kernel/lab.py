@@ -2,10 +2,10 @@
 
 The lab is the public API (start, run, pull, push, trace, stacks, debug, restart, stop) over:
 
-- a `Channel` (labkit.kernel.channel): the sockets, the I/O thread and the one waiting loop;
-- a launcher (labkit.kernel.launcher): `ForkedRanks` forks the ranks here, `TorchrunRanks`
+- a `Channel` (labkit.kernel.channel.channel): the sockets, the I/O thread and the one waiting loop;
+- a launcher (labkit.kernel.launch.launcher): `ForkedRanks` forks the ranks here, `TorchrunRanks`
   takes ranks that torchrun started; the lab calls the same methods on either;
-- a `CellRun` per call (labkit.kernel.cell_run): watch, Stop and diagnosis of one cell.
+- a `CellRun` per call (labkit.kernel.cell.cell_run): watch, Stop and diagnosis of one cell.
 
 A cell that cannot finish (a rank stuck in a collective, a dead peer, a hung Stop) comes back
 from its `CellRun` as stuck; the lab then restarts the ranks (variables are lost, and the user
@@ -23,20 +23,20 @@ from collections.abc import Callable
 from typing import Any
 
 from labkit.kernel import script_run
-from labkit.kernel.attached import TorchrunRanks
-from labkit.kernel.cell_run import CellOutcome, CellRun, exec_message, recovery_note, results
-from labkit.kernel.channel import Channel, Stuck
-from labkit.kernel.debug import post_mortem
-from labkit.kernel.forked import ForkedRanks
+from labkit.kernel.cell.cell_run import CellOutcome, CellRun, exec_message, recovery_note, results
+from labkit.kernel.cell.live import ranks_info, status_report
+from labkit.kernel.cell.rank_spec import parse_ranks
+from labkit.kernel.channel.channel import Channel, Stuck
+from labkit.kernel.inspection.debug import post_mortem
+from labkit.kernel.inspection.log_dirs import new_log_dir
+from labkit.kernel.inspection.logs import read_tail
+from labkit.kernel.inspection.stacks import STACKS_TIMEOUT, RankStacks, lab_stacks
 from labkit.kernel.lab_data import DataRequests
-from labkit.kernel.launcher import RankLauncher
-from labkit.kernel.live import ranks_info, status_report
-from labkit.kernel.log_dirs import new_log_dir
-from labkit.kernel.logs import read_tail
-from labkit.kernel.policy import BACKENDS, DEVICES, check_world_size, threads_per_rank
-from labkit.kernel.rank_spec import parse_ranks
+from labkit.kernel.launch.attached import TorchrunRanks
+from labkit.kernel.launch.forked import ForkedRanks
+from labkit.kernel.launch.launcher import RankLauncher
+from labkit.kernel.launch.policy import BACKENDS, DEVICES, check_world_size, threads_per_rank
 from labkit.kernel.results import LabError, LabkitWarning, RemoteError, Results
-from labkit.kernel.stacks import STACKS_TIMEOUT, RankStacks, lab_stacks
 from labkit.wire.codec import Codec, new_key
 
 __all__ = ["Lab", "LabError", "LabkitWarning", "current"]
@@ -344,7 +344,8 @@ class Lab(DataRequests):
     # -- what the notebook shows about the ranks --------------------------------------------
     def stacks(self, ranks: Any = None, timeout: float = STACKS_TIMEOUT) -> RankStacks:
         """Each rank's Python stacks now, idle or busy, also from another thread while a cell
-        runs (labkit.kernel.stacks). A rank that is dead, or silent for `timeout` s, says so."""
+        runs (labkit.kernel.inspection.stacks). A rank that is dead, or silent for `timeout` s,
+        says so."""
         return lab_stacks(self, ranks, timeout)
 
     def log_tail(self, rank: int, lines: int = 12) -> str:
