@@ -22,7 +22,6 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from labkit.kernel import script_run
 from labkit.kernel.cell.cell_run import CellOutcome, CellRun, exec_message, recovery_note, results
 from labkit.kernel.cell.live import ranks_info, status_report
 from labkit.kernel.cell.rank_spec import parse_ranks
@@ -37,6 +36,7 @@ from labkit.kernel.launch.forked import ForkedRanks
 from labkit.kernel.launch.launcher import RankLauncher
 from labkit.kernel.launch.policy import BACKENDS, DEVICES, check_world_size, threads_per_rank
 from labkit.kernel.results import LabError, LabkitWarning, RemoteError, Results
+from labkit.kernel.script_run import load_script
 from labkit.wire.codec import Codec, new_key
 
 __all__ = ["Lab", "LabError", "LabkitWarning", "current"]
@@ -308,8 +308,10 @@ class Lab(DataRequests):
 
     def run_script(self, path: str, argv: Any = (), timeout: float | None = None) -> Results:
         """Run a torchrun script unchanged on every rank, as `__main__` with `sys.argv` set
-        (kernel side; the kernel reads the file). See labkit.kernel.script_run."""
-        return script_run.run_script(self, path, argv, timeout)
+        (kernel side; the kernel reads the file: labkit.kernel.script_run). A rank whose script
+        raised, or exited with a code other than 0, has an error in the results
+        (`results.raise_for_errors()` raises them); the values are None."""
+        return self.run(load_script(path, argv), timeout=timeout, display=False)
 
     def _call(self, msg: Any, targets: list[int], timeout: float | None) -> Results:
         """Send one request to `targets` as a new cell and wait for its results."""
