@@ -341,7 +341,7 @@ class Lab(DataRequests):
             raise RemoteError(outcome.errors, note)
         raise LabError(note)
 
-    debug = post_mortem  # lab.debug(rank): pdb on the rank's last exception (kernel.debug)
+    debug = post_mortem  # lab.debug(rank): pdb on the rank's last exception (inspection.debug)
 
     # -- what the notebook shows about the ranks --------------------------------------------
     def stacks(self, ranks: Any = None, timeout: float = STACKS_TIMEOUT) -> RankStacks:
