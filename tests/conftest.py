@@ -48,7 +48,7 @@ from processes import (  # noqa: E402
     wait_gone,
 )
 
-from labkit.kernel import log_dirs  # noqa: E402
+from labkit.kernel.inspection import log_dirs  # noqa: E402
 
 __all__ = ["pid_alive"]
 

@@ -1,4 +1,4 @@
-"""labkit.kernel.log_dirs: one per-user root, old labs' logs pruned, live ones kept."""
+"""labkit.kernel.inspection.log_dirs: one per-user root, old labs' logs pruned, live ones kept."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from labkit.kernel import log_dirs
+from labkit.kernel.inspection import log_dirs
 
 
 def _lab_dir(root, name, size, mtime):
@@ -69,7 +69,7 @@ def test_a_killed_kernels_fork_server_log_is_pruned_a_live_ones_kept(tmp_path, m
 
 
 def test_a_closed_fork_server_leaves_no_log(tmp_path, monkeypatch):
-    from labkit.kernel.spawn import ForkServer
+    from labkit.kernel.launch.spawn import ForkServer
 
     monkeypatch.setenv(log_dirs.ENV, str(tmp_path))
     server = ForkServer()

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 
 import labkit
-from labkit.kernel import log_dirs
+from labkit.kernel.inspection import log_dirs
 from labkit.wire.config import RankConfig
 from labkit.wire.messages import (
     ExitCommand,
