@@ -12,8 +12,9 @@ Each call is recorded under the name the user called, torch 2.13's `all_gather_s
 `reduce_scatter_tensor` (which call the new ones: one call, one record);
 `labkit.views.bandwidth.canonical_op` folds them into `all_gather` / `reduce_scatter`.
 
-Point-to-point calls first pass `labkit.rank.gloo_guard`, tracing on or off: a CUDA tensor over
-gloo is refused with a message instead of crashing the rank.
+Point-to-point calls and the list `all_to_all` on CUDA tensors over gloo, which gloo cannot move,
+are run on host copies by `labkit.rank.host_staging`, tracing on or off; the record is the user's
+call, with the copies noted in it (`staged`, `stage_time`).
 
 `Join.notify_join_context` hands the Work of its all_reduce of ones to DDP's C++ reducer, which
 takes torch's own Work only: that call goes straight to torch, unwrapped, and is recorded from
@@ -30,7 +31,7 @@ import threading
 import time
 from typing import Any
 
-from labkit.rank.gloo_guard import P2P, refuse_cuda_over_gloo
+from labkit.rank import host_staging
 from labkit.rank.trace_state import (
     STATE,
     add_record,
@@ -80,17 +81,20 @@ def _wrap(op: str, fn: Any) -> Any:
     default_op = sig.parameters["op"].default if "op" in sig.parameters else None
     names = list(sig.parameters)  # binding by position is ~10x cheaper than sig.bind_partial
 
+    staged_op = op in host_staging.OPS
+
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
-        if op in P2P:  # tensor first, group third, in each of them
-            tensor = args[0] if args else kwargs.get("tensor")
-            group = args[2] if len(args) > 2 else kwargs.get("group")
-            refuse_cuda_over_gloo(op, tensor, group)
+        call = fn
+        if staged_op:
+            staging = host_staging.plan(op, args, kwargs)
+            if staging is not None:
+                call = staging.bind(fn)
         if not STATE.enabled or (op == "all_reduce" and _from_join()):
-            return fn(*args, **kwargs)
+            return call(*args, **kwargs)
         main = threading.get_ident() == STATE.main  # DDP's hooks may run on autograd threads
         if main and STATE.inside:
-            return fn(*args, **kwargs)
+            return call(*args, **kwargs)
         bound = dict(zip(names, args))
         bound.update(kwargs)
         if op == "batch_isend_irecv":
@@ -110,6 +114,8 @@ def _wrap(op: str, fn: Any) -> Any:
             reduce_op=str(reduce_op).rsplit(".", 1)[-1] if reduce_op is not None else None,
         )
         add_record(rec)
+        if call is not fn:
+            staging.record = rec
         if STATE.batch is not None and main:
             STATE.batch.append(rec)
         event = cuda_event(tensors)
@@ -119,7 +125,7 @@ def _wrap(op: str, fn: Any) -> Any:
             if main:
                 STATE.inside = True
             try:
-                work = fn(*args, **kwargs)
+                work = call(*args, **kwargs)
             finally:
                 if main:
                     STATE.inside = False
@@ -129,7 +135,7 @@ def _wrap(op: str, fn: Any) -> Any:
         if main:
             STATE.current, STATE.since, STATE.inside = rec, rec.start, True
         try:
-            return fn(*args, **kwargs)
+            return call(*args, **kwargs)
         finally:
             issued(rec)
             rec.end = time.time()

@@ -39,6 +39,11 @@ class CommRecord:
     # from C++ (DDP's buckets), read from torch's Flight Recorder: start is when torch created
     # it (issued it), end = start (gloo records no completion), no line (labkit.rank.ddp_tracing)
     recorded_by: str = ""
+    # how labkit moved the tensors for a device gloo cannot move them on (labkit.rank.
+    # host_staging): "d2h" (copied to the host to send), "h2d" (received on the host, copied
+    # into the user's tensor), "d2h+h2d"; stage_time: seconds spent in those copies
+    staged: str = ""
+    stage_time: float = 0.0
     kind: str = field(default="comm", repr=False)
 
     @property
