@@ -203,3 +203,18 @@ def test_device_types_switch_rejects_unknown_types():
     with pytest.raises(ValueError, match=r"unknown device types \['gpu'\]; allowed: \["):
         host_staging.set_device_types({"gpu"})
     assert host_staging.device_types() == {"cuda"}
+
+
+def test_staging_cost_script_times_both_copies_per_mib(capsys):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).parent.parent / "scripts" / "staging_cost.py"
+    spec = importlib.util.spec_from_file_location("staging_cost", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    rows = module.measure("cpu", [0.25, 1], repeat=1)
+    assert [r["mb"] for r in rows] == [0.25, 1]
+    assert all(r["d2h_ms_per_mb"] > 0 and r["h2d_ms_per_mb"] > 0 for r in rows)
+    assert module.main(["--sizes-mb", "0.5", "--repeat", "1"]) == 0
+    assert "D2H ms/MiB" in capsys.readouterr().out
