@@ -33,8 +33,12 @@ def measure(device: str, sizes_mb: list[float], repeat: int) -> list[dict]:
     for mb in sizes_mb:
         t = torch.randn(int(mb * 2**20) // 4, device=device)
         host = t.to("cpu", copy=True)
-        d2h = statistics.median(_timed(lambda: t.to("cpu", copy=True), sync) for _ in range(repeat))
-        h2d = statistics.median(_timed(lambda: t.copy_(host), sync) for _ in range(repeat))
+        d2h = statistics.median(
+            _timed(lambda t=t: t.to("cpu", copy=True), sync) for _ in range(repeat)
+        )
+        h2d = statistics.median(
+            _timed(lambda t=t, host=host: t.copy_(host), sync) for _ in range(repeat)
+        )
         rows.append({"mb": mb, "d2h_ms_per_mb": d2h * 1e3 / mb, "h2d_ms_per_mb": h2d * 1e3 / mb})
     return rows
 
