@@ -350,23 +350,29 @@ def _state(row: dict[str, Any]) -> str:
 
 
 def show_status(report: dict[str, Any]) -> None:
+    from labkit.views.gpu_memory import rank_text, shared_gpu_notes
+
+    gpu = {r["rank"]: rank_text(r.get("cuda_memory")) for r in report["ranks"]}
+    memory = {r["rank"]: r.get("cuda_memory") for r in report["ranks"]}
+    notes = shared_gpu_notes(memory, {r["rank"]: r.get("host", "") for r in report["ranks"]})
     rows = "".join(
         f"<tr><td>{r['rank']}</td><td>{r['pid']}</td><td>{r['device']}</td>"
         f"<td>{r.get('threads') or '-'}</td>"
-        f"<td>{_state(r)}</td></tr>"
+        f"<td>{_state(r)}</td><td>{gpu[r['rank']]}</td></tr>"
         for r in report["ranks"]
     )
     text = "\n".join(
         f"rank {r['rank']}: pid {r['pid']} {r['device']} {r.get('threads') or '-'} threads "
-        f"{_state(r)}"
+        f"{_state(r)} · {gpu[r['rank']]}"
         for r in report["ranks"]
     )
     head = f"{report['choice']} · logs in {report['log_dir']}"
     display(
         {
-            "text/plain": f"{head}\n{text}",
+            "text/plain": "\n".join([head, text, *notes]),
             "text/html": f"<b>{head}</b><table><tr><th>rank</th><th>pid</th><th>device</th>"
-            f"<th>threads</th><th>state</th></tr>{rows}</table>",
+            f"<th>threads</th><th>state</th><th>GPU memory</th></tr>{rows}</table>"
+            + "".join(f"<p>{n}</p>" for n in notes),
         },
         raw=True,
     )

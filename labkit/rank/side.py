@@ -32,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from labkit.rank import stacks, trace
+from labkit.rank import cuda_memory, stacks, trace
 from labkit.wire.messages import RankToKernel, Stacks, Status
 from labkit.wire.stop_board import StopBoard
 
@@ -151,6 +151,9 @@ class SideChannel:
             status = Status(type="status", busy=self.busy_cell, time=time.time(), taken=self.taken)
             if self.debugging:
                 status["debugging"] = True
+            memory = cuda_memory.snapshot()
+            if memory is not None:
+                status["cuda_memory"] = memory
             if self.busy_cell is not None:
                 status.update(
                     line=stacks.running_line(), op=trace.current(), progress=trace.progress()

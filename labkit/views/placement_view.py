@@ -24,6 +24,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from labkit.views._common import View, html_table, human_bytes, is_lab, title, warning_html
+from labkit.views.gpu_memory import rank_text, shared_gpu_notes
 from labkit.views.placement_data import (
     LAYOUTS,
     memory_by_rank,
@@ -144,7 +145,8 @@ def memory_figure(memory: dict[int, dict[str, Any]], devices: Mapping[int, str])
 
 
 class PlacementView(View):
-    """The widget `show_placement` returns: `rows` (merged), `memory` per rank, `notes`."""
+    """The widget `show_placement` returns: `rows` (merged), `memory` per rank, `notes`;
+    `gpu_memory`: each rank's CUDA memory (labkit.rank.cuda_memory; None: no GPU), when known."""
 
     def __init__(
         self,
@@ -152,14 +154,23 @@ class PlacementView(View):
         memory: dict[int, dict[str, Any]],
         notes: list[str],
         devices: Mapping[int, str],
+        gpu_memory: Mapping[int, dict[str, Any] | None] | None = None,
     ) -> None:
         super().__init__()
+        self.gpu_memory = dict(gpu_memory or {})
+        notes = notes + shared_gpu_notes(self.gpu_memory)
         self.rows, self.memory, self.notes = rows, memory, notes
         children: list[widgets.Widget] = [widgets.HTML(warning_html(n)) for n in notes]
         children.append(self.add_figure(placement_figure(rows)))
         children.append(self.add_figure(memory_figure(memory, devices)))
         children.append(widgets.HTML(self._memory_table()))
+        if self.gpu_memory:
+            children.append(widgets.HTML(self._gpu_table()))
         self.children = tuple(children)
+
+    def _gpu_table(self) -> str:
+        body = [[r, rank_text(m)] for r, m in sorted(self.gpu_memory.items())]
+        return html_table(("rank", "CUDA memory now"), body, "GPU memory per rank")
 
     def _memory_table(self) -> str:
         headers = ("rank", *(name for _, name, _ in _PARTS), "total", "predicted", "formula")
@@ -202,6 +213,8 @@ class PlacementView(View):
             if r["kind"] != "activation"
         ]
         parts += [html_table(headers, body, "placement"), self._memory_table()]
+        if self.gpu_memory:
+            parts.append(self._gpu_table())
         return "<div class='labkit-placement'>" + "".join(parts) + "</div>"
 
 
@@ -229,6 +242,11 @@ def _gather(lab: Any, name: str, optimizer: str | None) -> list[dict[str, Any]]:
     return rows
 
 
+def _gpu_memory(lab: Any) -> dict[int, dict[str, Any] | None]:
+    code = "import labkit.rank.cuda_memory as _lk_cuda\n_lk_cuda.snapshot()"
+    return {r: getattr(res, "value", None) for r, res in sorted(lab.run(code).items())}
+
+
 def show_placement(
     lab_or_rows: Any,
     name: str = "model",
@@ -244,8 +262,10 @@ def show_placement(
     """
     info: list[dict[str, Any]] = []
     world_size = None
+    gpu_memory = None
     if is_lab(lab_or_rows):
         rows = _gather(lab_or_rows, name, optimizer)
+        gpu_memory = _gpu_memory(lab_or_rows)
         info = list(lab_or_rows.ranks_info()) if hasattr(lab_or_rows, "ranks_info") else []
         world_size = getattr(lab_or_rows, "world_size", None)
     elif isinstance(lab_or_rows, Mapping):
@@ -263,4 +283,5 @@ def show_placement(
     devices = {int(i["rank"]): str(i["device"]) for i in info} or {
         r["rank"]: r["device"] for r in merged if r.get("device")
     }
-    return PlacementView(merged, memory, shared_device_notes(merged, info), devices)
+    notes = shared_device_notes(merged, info)
+    return PlacementView(merged, memory, notes, devices, gpu_memory)

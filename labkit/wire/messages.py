@@ -266,6 +266,7 @@ class Status(_Status, total=False):
     progress: dict[str, Any]  # collectives per group (seq), p2p messages per peer (sent/received)
     taken: int  # the id of the last request (exec, pull, push, trace) the rank took
     debugging: bool  # in a pdb session, waiting for the user (labkit.rank.debugger)
+    cuda_memory: dict[str, Any]  # labkit.rank.cuda_memory.snapshot(); absent without CUDA
     received: float  # set by the kernel on arrival (its monotonic clock); never sent
 
 

@@ -151,7 +151,9 @@ def status_report(lab: Any, heartbeats: dict[int, dict[str, Any]]) -> dict[str, 
         age = now - st["received"] if "received" in st else None
         alive = r not in lab.dead and (age is None or age < 5)
         busy, debugging = st.get("busy") is not None, bool(st.get("debugging"))  # in pdb
-        rows.append(dict(info, alive=alive, busy=busy, debugging=debugging, heartbeat_age_s=age))
+        row = dict(info, alive=alive, busy=busy, debugging=debugging, heartbeat_age_s=age)
+        row["cuda_memory"] = st.get("cuda_memory")  # None: no CUDA on that rank
+        rows.append(row)
     return {
         "running": lab.running,
         "world_size": lab.world_size,
