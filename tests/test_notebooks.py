@@ -5,6 +5,10 @@ is waiting (kernels and ranks starting, collectives waiting for their peers), wh
 notebook fills. They all run while the module's fixture is set up, so the processes they start
 belong to the fixture (the orphan check in conftest.py looks at them when it is torn down);
 each test then reports its own notebook's result and time.
+
+With LABKIT_EXECUTED_DIR set (CI and `scripts/dev.py docs` set it), each notebook that passes is
+also saved there with its outputs and its widgets' state: the course site (docs/conf.py) renders
+those, so the notebooks are executed once, here.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from labkit.tools.cli import run_notebook
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
 JOBS = max(1, int(os.environ.get("LABKIT_NOTEBOOK_JOBS", "2")))
+SAVE_DIR = os.environ.get("LABKIT_EXECUTED_DIR") or None
 
 
 def test_there_are_notebooks():
@@ -39,7 +44,7 @@ def notebook_results(request: pytest.FixtureRequest) -> dict[str, tuple[bool, fl
     chosen.sort(key=lambda p: -os.path.getsize(p))
     t0 = time.perf_counter()
     with ThreadPoolExecutor(JOBS) as pool:
-        results = dict(zip(chosen, pool.map(lambda p: run_notebook(p, timeout=600), chosen)))
+        results = dict(zip(chosen, pool.map(lambda p: run_notebook(p, 600, SAVE_DIR), chosen)))
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         busy = sum(r[1] for r in results.values())
