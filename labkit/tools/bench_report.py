@@ -156,7 +156,7 @@ def markdown(res: dict[str, Any]) -> str:
         + (f" at {res['when']}" if res.get("when") else "")
         + f"; load average {load} when it began"
     )
-    return _table(head, rows).replace("%%ranks", "`%%ranks`") + f"\n\n({made})\n"
+    return _table(head, rows) + f"\n\n({made})\n"
 
 
 if __name__ == "__main__":
