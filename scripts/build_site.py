@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
             "or stale:\n  " + "\n  ".join(problems) + "\nmake them with the notebook tests:\n"
             f"  LABKIT_EXECUTED_DIR={executed} python3 scripts/dev.py test -m slow "
             "tests/test_notebooks.py\nor some of them with `labkit check --save "
-            f"{executed} notebooks/NN_name.ipynb ...`",
+            f"{executed} notebooks/NN_name.ipynb ...` (then `--partial` builds a preview)",
             file=sys.stderr,
         )
         return 2
