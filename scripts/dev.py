@@ -7,8 +7,8 @@ labkit with its test extras in editable mode, then runs the command:
 - test:  the test suite (installs Debian's chromium and Slurm for their tests when it can)
 - bench: the performance benchmark (python -m labkit.tools.bench)
 - check: every notebook top to bottom (labkit check)
-- docs:  the course site into build/site/ (scripts/build_site.py), from the notebooks the tests
-         executed and saved in build/executed/ (or $LABKIT_EXECUTED_DIR); offline
+- docs:  the course site into build/site/ (scripts/build_site.py), from the notebooks that
+         `test` and `check` executed and saved in build/executed/ ($LABKIT_EXECUTED_DIR); offline
 
 Set LABKIT_TORCH to install another torch requirement (e.g. "torch" for the newest).
 """
@@ -76,6 +76,8 @@ def main() -> int:
     rest = sys.argv[2:]
     ensure_env()
     os.chdir(ROOT)
+    # the notebooks that `test` and `check` execute are saved here, for `docs` to render
+    os.environ.setdefault("LABKIT_EXECUTED_DIR", os.path.join(ROOT, "build", "executed"))
     if cmd == "lab":  # become the lab, so Ctrl-C or a container's stop reaches Jupyter
         sys.stdout.flush()
         os.execv(PY, [PY, "-m", "labkit", "lab", *rest])
