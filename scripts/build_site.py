@@ -53,6 +53,7 @@ PAGES = (  # the docs pages, in the site's order
     "layout",
     "references",
     "development",
+    "testing",
     "site",
 )
 
