@@ -1,6 +1,7 @@
 """The GPU check in one command, for a GPU machine lent for minutes (a developers' tool).
 
-On a lent machine (torch with CUDA, 16 cores, no Jupyter packages: docs/gpu-check.md) it
+On a lent machine (torch with CUDA, 16 cores, no Jupyter packages; docs/gpu.md, "The GPU
+check") it
 
 1. installs the wheels carried in WHEELS (`.whl/`, the versions CI installs, downloaded for that
    machine's Python) into a folder of their own, with no index, and where torch is older than
