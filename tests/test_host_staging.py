@@ -178,6 +178,7 @@ def _equal(a, b) -> bool:
 class _Fake:  # what plan reads of a tensor, without a GPU here
     def __init__(self, device: str):
         self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
 
 
 @pytest.mark.parametrize("backend", ["nccl", "cpu:gloo,cuda:nccl"])

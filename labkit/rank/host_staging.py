@@ -45,7 +45,8 @@ OPS: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None, int]] = {
     "all_to_all": ((1, "input_tensor_list"), (0, "output_tensor_list"), 2),
 }
 ASYNC = frozenset({"isend", "irecv"})
-_device_types: frozenset[str] = frozenset({"cuda"})
+_CUDA = frozenset({"cuda"})
+_device_types: frozenset[str] = _CUDA
 _inside = threading.local()  # torch's `send` calls `isend`: the host copy is not staged again
 
 
@@ -83,6 +84,8 @@ def _tensors(obj: Any) -> list[Any]:
 
 
 def _staged(t: Any) -> bool:
+    if _device_types == _CUDA:  # the usual case, without making a torch.device per call
+        return getattr(t, "is_cuda", False) is True
     device = getattr(t, "device", None)
     return getattr(device, "type", None) in _device_types
 
