@@ -105,3 +105,18 @@ def test_view_figures_table_and_lab() -> None:
 def test_empty_trace() -> None:
     view = show_comm([])
     assert view.figures == [] and view.matrix == [] and "no collective" in view.children[0].value
+
+
+def test_bandwidth_chart_takes_the_width_it_is_given_and_shows_its_legend() -> None:
+    from labkit.views.comm_view import MATRIX_MAX, matrix_size
+
+    view = show_comm(_records())
+    matrix, ops = view.figures
+    assert ops.layout.width is None and ops.layout.autosize  # as wide as its box
+    assert ops.layout.legend.orientation == "h" and ops.layout.legend.yanchor == "bottom"
+    assert ops.layout.legend.y >= 1  # above the bars, inside the figure's top margin
+    assert [t.name for t in ops.data] == ["busbw", "algbw"]
+    assert matrix.layout.width == matrix_size(3)[0]
+    assert matrix_size(16) == (MATRIX_MAX, MATRIX_MAX)  # fits a narrow output area
+    row = view.children[0]
+    assert row.layout.flex_flow == "row wrap"  # the chart goes under the matrix when narrow

@@ -60,17 +60,11 @@ def is_lab(obj: object) -> bool:
     return all(hasattr(obj, attr) for attr in ("pull", "run", "trace"))
 
 
-def _figure_widget_class() -> type | None:
-    try:
-        import anywidget  # noqa: F401  (plotly 7's FigureWidget needs it)
-    except ImportError:
-        return None
-    return go.FigureWidget
-
-
 def wrap_figure(fig: go.Figure) -> tuple[widgets.DOMWidget, Any]:
     """A widget showing `fig`, and the figure object to read its state from (and update)."""
-    cls = _figure_widget_class()
+    from labkit.views.figure_widget import figure_widget_class
+
+    cls = figure_widget_class()
     if cls is not None:
         fw = cls(fig)
         return fw, fw
@@ -319,3 +313,28 @@ def op_colour(op: str) -> str:
     if op in _OP_COLOURS:
         return _OP_COLOURS[op]
     return _EXTRA_COLOURS[sum(op.encode()) % len(_EXTRA_COLOURS)]
+
+
+def wrapping_row() -> widgets.Layout:
+    """A row of boxes that wraps onto the next line when the output area is too narrow."""
+    return widgets.Layout(flex_flow="row wrap", width="100%", align_items="flex-start")
+
+
+def fixed_box(widget: widgets.Widget, width: int) -> widgets.Box:
+    """`widget` (a figure with a fixed width) in a box of that width that never shrinks."""
+    return widgets.Box([widget], layout=widgets.Layout(flex=f"0 0 {width}px", width=f"{width}px"))
+
+
+def growing_box(widget: widgets.Widget, min_width: int) -> widgets.Box:
+    """`widget` (a figure without a width: plotly sizes it to its box) in a box that takes the
+    row's width left over, at least `min_width` px, and no more than the output area."""
+    layout = widgets.Layout(
+        flex=f"1 1 {min_width}px", min_width=f"{min_width}px", max_width="100%", flex_flow="column"
+    )  # a column: the figure is stretched to the box's width
+    return widgets.Box([widget], layout=layout)
+
+
+def capped_box(widget: widgets.Widget, max_width: int) -> widgets.Box:
+    """`widget` (a figure without a width) as wide as the output area, up to `max_width` px."""
+    layout = widgets.Layout(width="100%", max_width=f"{max_width}px", flex_flow="column")
+    return widgets.Box([widget], layout=layout)

@@ -33,12 +33,15 @@ import plotly.graph_objects as go
 
 from labkit.views._common import (
     View,
+    fixed_box,
+    growing_box,
     html_table,
     human_bytes,
     human_rate,
     op_colour,
     records_from,
     title,
+    wrapping_row,
 )
 from labkit.views.bandwidth import busbw_factor, canonical_op
 from labkit.wire.records import CommRecord
@@ -46,6 +49,8 @@ from labkit.wire.records import CommRecord
 __all__ = ["CommView", "op_summary", "show_comm", "traffic_matrix"]
 
 _P2P = {"send", "recv"}
+MATRIX_MAX = 520  # the matrix's largest side in px
+OPS_MIN_WIDTH = 320  # the bandwidth chart's narrowest; it takes the row's width left over
 
 
 def _sends(r: CommRecord) -> list[tuple[int, float]]:
@@ -112,6 +117,12 @@ def op_summary(records: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def matrix_size(n: int) -> tuple[int, int]:
+    """(width, height) in px of the matrix of `n` ranks: it grows with n up to what a narrow
+    output area (about 600 px: a Notebook 7 column) holds beside nothing else."""
+    return min(200 + 70 * n, MATRIX_MAX), min(160 + 60 * n, MATRIX_MAX)
+
+
 def matrix_figure(matrix: list[list[float]]) -> go.Figure:
     n = len(matrix)
     labels = [f"rank {r}" for r in range(n)]
@@ -127,10 +138,11 @@ def matrix_figure(matrix: list[list[float]]) -> go.Figure:
             hovertemplate="%{y} to %{x}: %{z:,.0f} bytes<extra></extra>",
         )
     )
+    width, height = matrix_size(n)
     fig.update_layout(
-        title=title("bytes sent (row: from, column: to)", 160 + 60 * n),
-        width=200 + 70 * n,
-        height=160 + 60 * n,
+        title=title("bytes sent (row: from, column: to)", height),
+        width=width,
+        height=height,
         margin={"l": 60, "r": 10, "t": 60, "b": 40},
     )
     fig.update_yaxes(autorange="reversed")
@@ -155,12 +167,16 @@ def ops_figure(ops: list[dict[str, Any]]) -> go.Figure:
             ),
         ]
     )
+    # No width: the chart takes its box's width (`CommView` lets the box grow and wrap), so it
+    # fits any output area. The legend lies flat between the title and the bars, in the chart.
     fig.update_layout(
         barmode="group",
         title=title("bandwidth per op (GB/s)", 320),
         yaxis_title="GB/s",
         height=320,
-        margin={"l": 60, "r": 10, "t": 40, "b": 40},
+        autosize=True,
+        margin={"l": 60, "r": 10, "t": 80, "b": 40},
+        legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 1.02, "yanchor": "bottom"},
     )
     return fig
 
@@ -191,12 +207,12 @@ class CommView(View):
             self.children = (widgets.HTML("<i>no collective or point-to-point calls traced</i>"),)
             return
         table = widgets.HTML(html_table(self.OP_HEADERS, _op_rows(ops), "per op"))
-        self.children = (
-            widgets.HBox(
-                [self.add_figure(matrix_figure(matrix)), self.add_figure(ops_figure(ops))]
-            ),
-            table,
-        )
+        width, _ = matrix_size(len(matrix))
+        figures = [
+            fixed_box(self.add_figure(matrix_figure(matrix)), width),  # square cells
+            growing_box(self.add_figure(ops_figure(ops)), OPS_MIN_WIDTH),
+        ]
+        self.children = (widgets.HBox(figures, layout=wrapping_row()), table)
 
     def to_html(self) -> str:
         n = len(self.matrix)
