@@ -186,7 +186,8 @@ class View(widgets.VBox):
 def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: str = "") -> str:
     """A plain HTML table; every cell escaped."""
     cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
-    th = "padding:2px 8px;text-align:left;border-bottom:1px solid #ccc;white-space:nowrap"
+    # headers may wrap between words (a narrow output area), never run together (the padding)
+    th = "padding:2px 8px;text-align:left;border-bottom:1px solid #ccc;vertical-align:bottom"
     head = "".join(f"<th style='{th}'>{html.escape(str(h))}</th>" for h in headers)
     body = "".join(
         "<tr>"
@@ -194,7 +195,8 @@ def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: s
         + "</tr>"
         for row in rows
     )
-    style = "border-collapse:collapse;margin:4px 0"
+    # cells wrap between words in a narrow output area (an ipywidgets HTML box says nowrap)
+    style = "border-collapse:collapse;margin:4px 0;white-space:normal"
     return (
         f"<table class='labkit' style='{style}'>{cap}<thead><tr>{head}</tr></thead>"
         f"<tbody>{body}</tbody></table>"
@@ -315,23 +317,9 @@ def op_colour(op: str) -> str:
     return _EXTRA_COLOURS[sum(op.encode()) % len(_EXTRA_COLOURS)]
 
 
-def wrapping_row() -> widgets.Layout:
-    """A row of boxes that wraps onto the next line when the output area is too narrow."""
-    return widgets.Layout(flex_flow="row wrap", width="100%", align_items="flex-start")
-
-
 def fixed_box(widget: widgets.Widget, width: int) -> widgets.Box:
     """`widget` (a figure with a fixed width) in a box of that width that never shrinks."""
     return widgets.Box([widget], layout=widgets.Layout(flex=f"0 0 {width}px", width=f"{width}px"))
-
-
-def growing_box(widget: widgets.Widget, min_width: int) -> widgets.Box:
-    """`widget` (a figure without a width: plotly sizes it to its box) in a box that takes the
-    row's width left over, at least `min_width` px, and no more than the output area."""
-    layout = widgets.Layout(
-        flex=f"1 1 {min_width}px", min_width=f"{min_width}px", max_width="100%", flex_flow="column"
-    )  # a column: the figure is stretched to the box's width
-    return widgets.Box([widget], layout=layout)
 
 
 def capped_box(widget: widgets.Widget, max_width: int) -> widgets.Box:

@@ -34,14 +34,12 @@ import plotly.graph_objects as go
 from labkit.views._common import (
     View,
     fixed_box,
-    growing_box,
     html_table,
     human_bytes,
     human_rate,
     op_colour,
     records_from,
     title,
-    wrapping_row,
 )
 from labkit.views.bandwidth import busbw_factor, canonical_op
 from labkit.wire.records import CommRecord
@@ -50,7 +48,6 @@ __all__ = ["CommView", "op_summary", "show_comm", "traffic_matrix"]
 
 _P2P = {"send", "recv"}
 MATRIX_MAX = 520  # the matrix's largest side in px
-OPS_MIN_WIDTH = 320  # the bandwidth chart's narrowest; it takes the row's width left over
 
 
 def _sends(r: CommRecord) -> list[tuple[int, float]]:
@@ -167,8 +164,8 @@ def ops_figure(ops: list[dict[str, Any]]) -> go.Figure:
             ),
         ]
     )
-    # No width: the chart takes its box's width (`CommView` lets the box grow and wrap), so it
-    # fits any output area. The legend lies flat between the title and the bars, in the chart.
+    # No width: the chart takes the output area's width, whatever it is. The legend lies flat
+    # between the title and the bars, inside the figure.
     fig.update_layout(
         barmode="group",
         title=title("bandwidth per op (GB/s)", 320),
@@ -207,12 +204,14 @@ class CommView(View):
             self.children = (widgets.HTML("<i>no collective or point-to-point calls traced</i>"),)
             return
         table = widgets.HTML(html_table(self.OP_HEADERS, _op_rows(ops), "per op"))
+        # the matrix (square cells, at most MATRIX_MAX px) above the chart, which takes the
+        # output area's width whatever it is
         width, _ = matrix_size(len(matrix))
-        figures = [
-            fixed_box(self.add_figure(matrix_figure(matrix)), width),  # square cells
-            growing_box(self.add_figure(ops_figure(ops)), OPS_MIN_WIDTH),
-        ]
-        self.children = (widgets.HBox(figures, layout=wrapping_row()), table)
+        self.children = (
+            fixed_box(self.add_figure(matrix_figure(matrix)), width),
+            self.add_figure(ops_figure(ops)),
+            table,
+        )
 
     def to_html(self) -> str:
         n = len(self.matrix)

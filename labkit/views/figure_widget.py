@@ -35,21 +35,29 @@ def resizing_esm(bundle: str) -> str | None:
     """plotly's widget bundle with a ResizeObserver added at its `render`, or None when the
     bundle has no `render` of the expected form."""
     match = _RENDER.search(bundle)
-    if match is None or "autosizeFigure(){" not in bundle:
+    needed = ("autosizeFigure(){", "plotlywidget-after-render")
+    if match is None or not all(text in bundle for text in needed):
         return None
     el, view, cls, model = (match[k] for k in ("el", "view", "cls", "model"))
-    # Only a change of width resizes: plotly's autosize also takes the element's height, and
-    # an element a few pixels taller than its figure would grow it on every round. The height
-    # is pinned to the figure's own first, so autosize keeps it.
+    # Observing starts once the view has drawn its figure (plotly's widget announces it with a
+    # "plotlywidget-after-render" event), so a resize never races the first draw. Only a
+    # change of width resizes: plotly's autosize also takes the element's height, and an
+    # element a few pixels taller than its figure would grow it on every round; the height is
+    # pinned to the figure's own first, so autosize keeps it.
     render = (
-        f"render({{el:{el}}}){{let {view}=new {cls}({model},{el});{view}.perform_render();"
+        f"render({{el:{el}}}){{let {view}=new {cls}({model},{el});"
         "let lkWidth=0;let lkObserver=new ResizeObserver(()=>{"
         f"let w=Math.round({el}.getBoundingClientRect().width);"
         "if(!w||w===lkWidth)return;lkWidth=w;"
-        f"if({el}._fullLayout)"
-        f"{el}.style.height={el}._fullLayout.height+'px';"
-        f"{view}.autosizeFigure()}});lkObserver.observe({el});"
-        f"return()=>{{lkObserver.disconnect();{view}.remove()}}}}"
+        f"if({el}._fullLayout){el}.style.height={el}._fullLayout.height+'px';"
+        f"{view}.autosizeFigure()}});"
+        f"let lkStart=(e)=>{{if(e.detail.element!=={el})return;"
+        "document.removeEventListener('plotlywidget-after-render',lkStart);"
+        f"lkObserver.observe({el})}};"
+        "document.addEventListener('plotlywidget-after-render',lkStart);"
+        f"{view}.perform_render();"
+        "return()=>{document.removeEventListener('plotlywidget-after-render',lkStart);"
+        f"lkObserver.disconnect();{view}.remove()}}}}"
     )
     return bundle[: match.start()] + render + bundle[match.end() :]
 
