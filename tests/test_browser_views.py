@@ -8,7 +8,8 @@ as a user resizes. At each width, for each view:
 - every drawn element (plotly's SVG, legends, titles, tick labels, colour bars, tables and
   widgets) lies inside the output area, and each legend inside its figure;
 - y tick labels end left of the plot area (not under a heat map);
-- table headers do not run together (padding between them) and are not cut off;
+- table headers do not run together (padding between them) and are not cut off (a table
+  wider than a narrow area, even with its cells wrapped, scrolls inside a box that fits);
 - the tensor panels fill their rows evenly (4 panels as 1 x 4 or 2 x 2, never 3 + 1).
 
 And the browser console holds no warning or error from the views (plotly's, the widgets'),
@@ -68,7 +69,9 @@ CHECK_FIT = """(area) => {
         '.g-xtitle', '.g-ytitle', '.colorbar', 'table', 'th', '.widget-box > *',
         '.widget-html', '.widget-label', '.widget-button', '.widget-progress'];
     for (const sel of selectors) {
-        for (const el of out.querySelectorAll(sel)) {
+        for (let el of out.querySelectorAll(sel)) {
+            // a table too wide for a narrow area scrolls inside its own box: that box must fit
+            if (sel === 'table' || sel === 'th') el = el.closest('.labkit-scroll') || el;
             if (!shown(el)) continue;
             const r = el.getBoundingClientRect();
             if (!inside(r, {left: box.left, right: box.right, top: -1e9, bottom: 1e9}, 1))
@@ -76,6 +79,7 @@ CHECK_FIT = """(area) => {
         }
     }
     for (const plot of out.querySelectorAll('.js-plotly-plot')) {
+        if (!(plot.data && plot.data.length)) problems.push('a figure drawn without its data');
         const svg = plot.querySelector('.main-svg');
         if (!svg) { problems.push('a figure without its SVG'); continue; }
         const fig = svg.getBoundingClientRect();

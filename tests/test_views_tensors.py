@@ -137,9 +137,11 @@ def test_one_shared_colour_bar_and_panels_in_an_even_grid() -> None:
     view = show_tensors({r: torch.arange(12.0).reshape(3, 4) + 12 * r for r in range(4)})
     # no panel has a colour bar of its own; the view has one, on the panels' scale
     assert not any(f.data[0].showscale for f in view.figures)
-    marker = view.colour_bar.data[0].marker
-    assert marker.showscale and (marker.cmin, marker.cmax) == (0.0, 47.0)
-    assert marker.colorscale == view.figures[0].data[0].colorscale
+    assert view.scale.zmin == 0.0 and view.scale.zmax == 47.0
+    bar = view.colour_bar  # HTML: the scale's gradient, its ends and middle labelled
+    assert "rgb(68, 1, 84) 0%" in bar and "rgb(253, 231, 37) 100%" in bar  # Viridis
+    assert ">0</span><span>23.5</span><span>47<" in bar
+    assert view.children[-2].value == bar
     # panels take their cell's width (no width of their own) and leave room for tick labels
     assert all(f.layout.width is None and f.layout.yaxis.automargin for f in view.figures)
     # 4 panels: 1, 2 or 4 columns (never 3 + 1), as many as fit at PANEL_MIN_WIDTH px

@@ -197,9 +197,12 @@ def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: s
     )
     # cells wrap between words in a narrow output area (an ipywidgets HTML box says nowrap)
     style = "border-collapse:collapse;margin:4px 0;white-space:normal"
+    # a table wider than a narrow output area even with its cells wrapped (memory per rank
+    # has 8 columns) scrolls sideways in its own box instead of running past the area
     return (
+        f"<div class='labkit-scroll' style='overflow-x:auto;max-width:100%'>"
         f"<table class='labkit' style='{style}'>{cap}<thead><tr>{head}</tr></thead>"
-        f"<tbody>{body}</tbody></table>"
+        f"<tbody>{body}</tbody></table></div>"
     )
 
 

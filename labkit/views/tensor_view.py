@@ -21,7 +21,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 from plotly.colors import get_colorscale, sample_colorscale
 
-from labkit.views._common import View, html_table, is_lab, title, wrap_figure
+from labkit.views._common import View, html_table, is_lab, title
 from labkit.views.tensor_data import (
     HTML_SIDE,
     TEXT_NUMEL,
@@ -112,39 +112,22 @@ def bar_colours(values: Any, scale: Scale) -> list[str]:
     return sample_colorscale(get_colorscale(scale.colorscale), where)
 
 
-def colour_bar(scale: Scale) -> go.Figure:
-    """The view's one colour bar (every panel shares its scale), flat, under the panels."""
-    marker = {
-        "color": [scale.zmin, scale.zmax],
-        "colorscale": scale.colorscale,
-        "cmin": scale.zmin,
-        "cmax": scale.zmax,
-        "showscale": True,
-        "colorbar": {
-            "orientation": "h",
-            "thickness": 12,
-            "len": 1.0,
-            "x": 0.5,
-            "xanchor": "center",
-            "y": 0.5,
-            "yanchor": "middle",
-            "title": {"text": "value (one scale for every panel)", "side": "top"},
-        },
-    }
-    fig = go.Figure(
-        go.Scatter(x=[None, None], y=[None, None], mode="markers", marker=marker, hoverinfo="skip")
+def colour_bar(scale: Scale) -> str:
+    """The view's one colour bar as HTML (every panel shares its scale): a gradient as wide as
+    the view, its ends and middle labelled. Plain CSS, so it follows the width like the grid."""
+    stops = sample_colorscale(get_colorscale(scale.colorscale), [i / 10 for i in range(11)])
+    gradient = ", ".join(f"{c} {i * 10}%" for i, c in enumerate(stops))
+    mid = (scale.zmin + scale.zmax) / 2
+    labels = "".join(
+        f"<span>{html.escape(fmt_value(v))}</span>" for v in (scale.zmin, mid, scale.zmax)
     )
-    hidden = {"visible": False, "showgrid": False, "zeroline": False}
-    fig.update_layout(
-        height=80,
-        autosize=True,
-        margin={"l": 10, "r": 10, "t": 4, "b": 4},
-        xaxis=hidden,
-        yaxis=hidden,
-        showlegend=False,
-        plot_bgcolor="rgba(0,0,0,0)",
+    return (
+        "<div class='lk-colour-bar' style='margin:4px 8px 0'>"
+        f"<div style='height:12px;background:linear-gradient(to right, {gradient})'></div>"
+        f"<div style='display:flex;justify-content:space-between;font-size:11px'>{labels}</div>"
+        "<div style='font-size:11px;text-align:center;color:#555'>"
+        "one colour scale for every panel</div></div>"
     )
-    return fig
 
 
 def grid_css(num_panels: int) -> str:
@@ -216,7 +199,7 @@ class TensorView(View):
             sizes = {len(infos) for _, infos in states}
         css = widgets.HTML("".join(grid_css(n) for n in sorted(sizes)))
         css.layout.display = "none"  # only its rules matter
-        bar = wrap_figure(self.colour_bar)[0]
+        bar = widgets.HTML(self.colour_bar)
         self.children = (*head, *body, bar, css)
 
     def _column(self, label: str, infos: dict[int, TensorInfo]) -> widgets.Widget:
