@@ -1,4 +1,4 @@
-"""Set-up and entry points for people and CI: `python3 scripts/dev.py lab|test|bench|check`.
+"""Set-up and entry points for people and CI: `python3 scripts/dev.py lab|test|bench|check|docs`.
 
 Creates `.venv` beside this repository (if missing), installs torch==2.13.0 first and then
 labkit with its test extras in editable mode, then runs the command:
@@ -7,6 +7,8 @@ labkit with its test extras in editable mode, then runs the command:
 - test:  the test suite (installs Debian's chromium and Slurm for their tests when it can)
 - bench: the performance benchmark (python -m labkit.tools.bench)
 - check: every notebook top to bottom (labkit check)
+- docs:  the course site into build/site/ (scripts/build_site.py), from the notebooks that
+         `test` and `check` executed and saved in build/executed/ ($LABKIT_EXECUTED_DIR); offline
 
 Set LABKIT_TORCH to install another torch requirement (e.g. "torch" for the newest).
 """
@@ -74,6 +76,8 @@ def main() -> int:
     rest = sys.argv[2:]
     ensure_env()
     os.chdir(ROOT)
+    # the notebooks that `test` and `check` execute are saved here, for `docs` to render
+    os.environ.setdefault("LABKIT_EXECUTED_DIR", os.path.join(ROOT, "build", "executed"))
     if cmd == "lab":  # become the lab, so Ctrl-C or a container's stop reaches Jupyter
         sys.stdout.flush()
         os.execv(PY, [PY, "-m", "labkit", "lab", *rest])
@@ -84,6 +88,8 @@ def main() -> int:
         return subprocess.call([PY, "-m", "labkit.tools.bench", *rest])
     if cmd == "check":
         return subprocess.call([PY, "-m", "labkit", "check", *rest])
+    if cmd == "docs":
+        return subprocess.call([PY, os.path.join(ROOT, "scripts", "build_site.py"), *rest])
     print(__doc__, file=sys.stderr)
     return 2
 
