@@ -36,7 +36,7 @@ from collections.abc import Iterator
 
 import nbformat
 import pytest
-from browser_scenes import SCENES, SETUP, Scene
+from browser_scenes import SCENE_SETUP, SCENES, Scene
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOK = "01_views_tour.ipynb"
@@ -301,7 +301,7 @@ def test_views_tour_renders_in_notebook_7(jupyter) -> None:
 
 def _scenes_notebook(path: str) -> list[tuple[Scene, int]]:
     """Write the scenes' notebook; each scene with the index of the code cell to capture."""
-    cells, marks = [nbformat.v4.new_code_cell(src) for src in SETUP], []
+    cells, marks = [nbformat.v4.new_code_cell(src) for src in SCENE_SETUP], []
     for scene in SCENES:
         cells += [nbformat.v4.new_code_cell(src) for src in scene.cells]
         if scene.raises:

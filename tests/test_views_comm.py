@@ -93,7 +93,7 @@ def test_view_figures_table_and_lab() -> None:
     assert heat.data[0].type == "heatmap" and list(heat.data[0].z[0]) == view.matrix[0]
     assert list(heat.data[0].x) == ["rank 0", "rank 1", "rank 2"]
     assert [t.name for t in bars.data] == ["busbw", "algbw"]
-    assert "all_reduce" in view.children[1].value and "2.67 kB/s" in view.children[1].value
+    assert "all_reduce" in view.children[2].value and "2.67 kB/s" in view.children[2].value
     lab = FakeLab(4, records=_records())
     view = show_comm(lab, cell=2)
     assert ("trace", 2) in lab.calls and len(view.matrix) == 4
@@ -105,3 +105,17 @@ def test_view_figures_table_and_lab() -> None:
 def test_empty_trace() -> None:
     view = show_comm([])
     assert view.figures == [] and view.matrix == [] and "no collective" in view.children[0].value
+
+
+def test_bandwidth_chart_takes_the_width_it_is_given_and_shows_its_legend() -> None:
+    from labkit.views.comm_view import MATRIX_MAX, matrix_size
+
+    view = show_comm(_records())
+    matrix, ops = view.figures
+    assert ops.layout.width is None and ops.layout.autosize  # as wide as its box
+    assert ops.layout.legend.orientation == "h" and ops.layout.legend.yanchor == "bottom"
+    assert ops.layout.legend.y >= 1  # above the bars, inside the figure's top margin
+    assert [t.name for t in ops.data] == ["busbw", "algbw"]
+    assert matrix.layout.width == matrix_size(3)[0]
+    assert matrix_size(16) == (MATRIX_MAX, MATRIX_MAX)  # fits a narrow output area
+    assert view.children[1] is ops  # under the matrix, as wide as the output area

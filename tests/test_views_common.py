@@ -63,3 +63,17 @@ def test_oversubscription_per_host() -> None:
     text = oversubscription(range(4), Lab())
     assert text is not None and "3 ranks on 2 CPU cores (a)" in text and "(b)" not in text
     assert oversubscription(range(2), num_cpus=2) is None
+
+
+def test_figure_widgets_follow_their_box_width() -> None:
+    # plotly's widget sizes a figure once; labkit's adds a ResizeObserver at its render
+    pytest.importorskip("anywidget")
+    import plotly.graph_objects as go
+
+    from labkit.views.figure_widget import figure_widget_class, resizing_esm
+
+    cls = figure_widget_class()
+    assert cls.__name__ == "ResizingFigureWidget", "plotly's bundle changed: see figure_widget.py"
+    widget = cls(go.Figure())
+    assert "new ResizeObserver(()=>" in widget._esm and "autosizeFigure()" in widget._esm
+    assert resizing_esm("export default {render({el}) {}}") is None

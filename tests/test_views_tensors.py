@@ -129,3 +129,36 @@ def test_nd_tensor_rows_are_its_leading_dims() -> None:
     assert (len(z), len(z[0])) == (6, 4) and "(2, 3, 4) float32" in view.figures[
         0
     ].layout.title.text
+
+
+def test_one_shared_colour_bar_and_panels_in_an_even_grid() -> None:
+    from labkit.views.tensor_view import PANEL_MIN_WIDTH, grid_css
+
+    view = show_tensors({r: torch.arange(12.0).reshape(3, 4) + 12 * r for r in range(4)})
+    # no panel has a colour bar of its own; the view has one, on the panels' scale
+    assert not any(f.data[0].showscale for f in view.figures)
+    assert view.scale.zmin == 0.0 and view.scale.zmax == 47.0
+    bar = view.colour_bar  # HTML: the scale's gradient, its ends and middle labelled
+    assert "rgb(68, 1, 84) 0%" in bar and "rgb(253, 231, 37) 100%" in bar  # Viridis
+    assert ">0</span><span>23.5</span><span>47<" in bar
+    assert view.children[-2].value == bar
+    # panels take their cell's width (no width of their own) and leave room for tick labels
+    assert all(f.layout.width is None and f.layout.yaxis.automargin for f in view.figures)
+    # 4 panels: 1, 2 or 4 columns (never 3 + 1), as many as fit at PANEL_MIN_WIDTH px
+    css = grid_css(4)
+    assert f"min-width: {2 * PANEL_MIN_WIDTH}px" in css and "repeat(2," in css
+    assert f"min-width: {4 * PANEL_MIN_WIDTH}px" in css and "repeat(4," in css
+    assert "repeat(3," not in css
+    assert "repeat(3," in grid_css(3) and "repeat(2," not in grid_css(3)
+
+
+def test_panel_data_are_plain_lists_and_bars_have_colours() -> None:
+    from labkit.views.tensor_view import bar_colours
+
+    view = show_tensors({0: torch.arange(3.0), 1: torch.ones(2, 2)})
+    bars, heat = (f.data[0] for f in view.figures)
+    assert isinstance(heat.z, tuple | list)
+    # bars carry colours, not values: plotly.js picks the colour of the text inside a bar by
+    # contrast with the bar's colour and logs "Invalid color specifier: number ..." for a value
+    assert list(bars.marker.color) == bar_colours([0.0, 1.0, 2.0], view.scale)
+    assert bars.marker.color[0] == "rgb(68, 1, 84)" and bars.marker.color[2] == "rgb(253, 231, 37)"

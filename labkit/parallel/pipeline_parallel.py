@@ -16,7 +16,8 @@ stage shrinks the bubble to (p-1)/(v*m) relative to the ideal time (`bubble_over
 (p-1)/(v*m+p-1) of the step. 1F1B does not shrink the bubble; it bounds memory.
 
 `pipeline_step` runs a schedule with isend/recv and records, per stage, every F and B with its
-start and end (wall clock, comparable across ranks on one host) and the peak number of
+start and end (wall clock, comparable across ranks on one host; on a GPU the stage waits for
+its device before reading the clock, so an event is the GPU's work) and the peak number of
 micro-batches whose activations it held. `torch_pipeline_step` runs the same stage under
 `torch.distributed.pipelining` (ScheduleGPipe / Schedule1F1B), which works on CPU with gloo.
 """
@@ -53,6 +54,14 @@ _WALL_OFFSET = time.time() - time.perf_counter()
 def _clock() -> float:
     """perf_counter's resolution on the wall clock, so stages on different ranks line up."""
     return time.perf_counter() + _WALL_OFFSET
+
+
+def _wait_for(device: torch.device) -> None:
+    """On a GPU, wait until the kernels queued so far (a receive, a forward) have run: a GPU
+    runs them after the host queues them, so an event timed on the host would otherwise be the
+    launch, not the work. Nothing to wait for on the CPU, where each op runs when called."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _check(num_stages: int, num_microbatches: int, schedule: str) -> None:
@@ -213,6 +222,7 @@ def pipeline_step(
         if kind == "F":
             inp = xs[j] if first else recv_tensor(stage - 1, group, tag=j, device=device)
             inp.requires_grad_()
+            _wait_for(device)
             start = _clock()
             out = stage_module(inp)
             if last:
@@ -227,8 +237,10 @@ def pipeline_step(
                 if last
                 else recv_tensor(stage + 1, group, tag=j, shape=out.shape, device=device)
             )
+            _wait_for(device)
             start = _clock()
             out.backward(grad)
+        _wait_for(device)
         result.events.append(StageEvent(stage, rank, kind, j, start, _clock()))
         if kind == "F" and not last:
             sends += send_tensor(out, stage + 1, group, tag=j)

@@ -60,17 +60,11 @@ def is_lab(obj: object) -> bool:
     return all(hasattr(obj, attr) for attr in ("pull", "run", "trace"))
 
 
-def _figure_widget_class() -> type | None:
-    try:
-        import anywidget  # noqa: F401  (plotly 7's FigureWidget needs it)
-    except ImportError:
-        return None
-    return go.FigureWidget
-
-
 def wrap_figure(fig: go.Figure) -> tuple[widgets.DOMWidget, Any]:
     """A widget showing `fig`, and the figure object to read its state from (and update)."""
-    cls = _figure_widget_class()
+    from labkit.views.figure_widget import figure_widget_class
+
+    cls = figure_widget_class()
     if cls is not None:
         fw = cls(fig)
         return fw, fw
@@ -192,7 +186,8 @@ class View(widgets.VBox):
 def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: str = "") -> str:
     """A plain HTML table; every cell escaped."""
     cap = f"<caption>{html.escape(caption)}</caption>" if caption else ""
-    th = "padding:2px 8px;text-align:left;border-bottom:1px solid #ccc;white-space:nowrap"
+    # headers may wrap between words (a narrow output area), never run together (the padding)
+    th = "padding:2px 8px;text-align:left;border-bottom:1px solid #ccc;vertical-align:bottom"
     head = "".join(f"<th style='{th}'>{html.escape(str(h))}</th>" for h in headers)
     body = "".join(
         "<tr>"
@@ -200,10 +195,14 @@ def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: s
         + "</tr>"
         for row in rows
     )
-    style = "border-collapse:collapse;margin:4px 0"
+    # cells wrap between words in a narrow output area (an ipywidgets HTML box says nowrap)
+    style = "border-collapse:collapse;margin:4px 0;white-space:normal"
+    # a table wider than a narrow output area even with its cells wrapped (memory per rank
+    # has 8 columns) scrolls sideways in its own box instead of running past the area
     return (
+        f"<div class='labkit-scroll' style='overflow-x:auto;max-width:100%'>"
         f"<table class='labkit' style='{style}'>{cap}<thead><tr>{head}</tr></thead>"
-        f"<tbody>{body}</tbody></table>"
+        f"<tbody>{body}</tbody></table></div>"
     )
 
 
@@ -319,3 +318,14 @@ def op_colour(op: str) -> str:
     if op in _OP_COLOURS:
         return _OP_COLOURS[op]
     return _EXTRA_COLOURS[sum(op.encode()) % len(_EXTRA_COLOURS)]
+
+
+def fixed_box(widget: widgets.Widget, width: int) -> widgets.Box:
+    """`widget` (a figure with a fixed width) in a box of that width that never shrinks."""
+    return widgets.Box([widget], layout=widgets.Layout(flex=f"0 0 {width}px", width=f"{width}px"))
+
+
+def capped_box(widget: widgets.Widget, max_width: int) -> widgets.Box:
+    """`widget` (a figure without a width) as wide as the output area, up to `max_width` px."""
+    layout = widgets.Layout(width="100%", max_width=f"{max_width}px", flex_flow="column")
+    return widgets.Box([widget], layout=layout)

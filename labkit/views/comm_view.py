@@ -33,6 +33,7 @@ import plotly.graph_objects as go
 
 from labkit.views._common import (
     View,
+    fixed_box,
     html_table,
     human_bytes,
     human_rate,
@@ -46,6 +47,7 @@ from labkit.wire.records import CommRecord
 __all__ = ["CommView", "op_summary", "show_comm", "traffic_matrix"]
 
 _P2P = {"send", "recv"}
+MATRIX_MAX = 520  # the matrix's largest side in px
 
 
 def _sends(r: CommRecord) -> list[tuple[int, float]]:
@@ -112,6 +114,12 @@ def op_summary(records: list[Any]) -> list[dict[str, Any]]:
     return out
 
 
+def matrix_size(n: int) -> tuple[int, int]:
+    """(width, height) in px of the matrix of `n` ranks: it grows with n up to what a narrow
+    output area (about 600 px: a Notebook 7 column) holds beside nothing else."""
+    return min(200 + 70 * n, MATRIX_MAX), min(160 + 60 * n, MATRIX_MAX)
+
+
 def matrix_figure(matrix: list[list[float]]) -> go.Figure:
     n = len(matrix)
     labels = [f"rank {r}" for r in range(n)]
@@ -127,10 +135,11 @@ def matrix_figure(matrix: list[list[float]]) -> go.Figure:
             hovertemplate="%{y} to %{x}: %{z:,.0f} bytes<extra></extra>",
         )
     )
+    width, height = matrix_size(n)
     fig.update_layout(
-        title=title("bytes sent (row: from, column: to)", 160 + 60 * n),
-        width=200 + 70 * n,
-        height=160 + 60 * n,
+        title=title("bytes sent (row: from, column: to)", height),
+        width=width,
+        height=height,
         margin={"l": 60, "r": 10, "t": 60, "b": 40},
     )
     fig.update_yaxes(autorange="reversed")
@@ -155,12 +164,16 @@ def ops_figure(ops: list[dict[str, Any]]) -> go.Figure:
             ),
         ]
     )
+    # No width: the chart takes the output area's width, whatever it is. The legend lies flat
+    # between the title and the bars, inside the figure.
     fig.update_layout(
         barmode="group",
         title=title("bandwidth per op (GB/s)", 320),
         yaxis_title="GB/s",
         height=320,
-        margin={"l": 60, "r": 10, "t": 40, "b": 40},
+        autosize=True,
+        margin={"l": 60, "r": 10, "t": 80, "b": 40},
+        legend={"orientation": "h", "x": 0, "xanchor": "left", "y": 1.02, "yanchor": "bottom"},
     )
     return fig
 
@@ -191,10 +204,12 @@ class CommView(View):
             self.children = (widgets.HTML("<i>no collective or point-to-point calls traced</i>"),)
             return
         table = widgets.HTML(html_table(self.OP_HEADERS, _op_rows(ops), "per op"))
+        # the matrix (square cells, at most MATRIX_MAX px) above the chart, which takes the
+        # output area's width whatever it is
+        width, _ = matrix_size(len(matrix))
         self.children = (
-            widgets.HBox(
-                [self.add_figure(matrix_figure(matrix)), self.add_figure(ops_figure(ops))]
-            ),
+            fixed_box(self.add_figure(matrix_figure(matrix)), width),
+            self.add_figure(ops_figure(ops)),
             table,
         )
 

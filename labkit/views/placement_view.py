@@ -23,7 +23,15 @@ from typing import Any
 import ipywidgets as widgets
 import plotly.graph_objects as go
 
-from labkit.views._common import View, html_table, human_bytes, is_lab, title, warning_html
+from labkit.views._common import (
+    View,
+    capped_box,
+    html_table,
+    human_bytes,
+    is_lab,
+    title,
+    warning_html,
+)
 from labkit.views.gpu_memory import rank_text, shared_gpu_notes
 from labkit.views.placement_data import (
     LAYOUTS,
@@ -94,7 +102,6 @@ def placement_figure(rows: list[dict[str, Any]]) -> go.Figure:
         title=title(f"where each {unit} lives", 140 + 24 * len(order)),
         showlegend=True,
         height=140 + 24 * len(order),
-        width=260 + 170 * len(ranks),
         margin={"l": 10, "r": 10, "t": 50, "b": 60},
         legend={"orientation": "h", "y": -0.12, "yanchor": "top"},
     )
@@ -161,7 +168,9 @@ class PlacementView(View):
         notes = notes + shared_gpu_notes(self.gpu_memory)
         self.rows, self.memory, self.notes = rows, memory, notes
         children: list[widgets.Widget] = [widgets.HTML(warning_html(n)) for n in notes]
-        children.append(self.add_figure(placement_figure(rows)))
+        ranks = len({r["rank"] for r in rows})
+        # no wider than its squares need (260 + 170 px a rank), no wider than the output area
+        children.append(capped_box(self.add_figure(placement_figure(rows)), 260 + 170 * ranks))
         children.append(self.add_figure(memory_figure(memory, devices)))
         children.append(widgets.HTML(self._memory_table()))
         if self.gpu_memory:

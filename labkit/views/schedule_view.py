@@ -336,7 +336,6 @@ def grid_figure(
     height = 160 + 110 * rows
     fig.update_layout(
         height=height,
-        width=220 + 150 * cols,
         margin={"l": 90, "r": 10, "t": 50, "b": 40},
         title=title("ranks and their process groups", height),
         plot_bgcolor="white",

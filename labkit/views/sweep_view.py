@@ -25,6 +25,7 @@ from labkit.views._common import (
     human_rate,
     op_colour,
     oversubscription,
+    title,
     warning_html,
 )
 from labkit.views.bandwidth import algbw, busbw
@@ -88,9 +89,13 @@ class SweepView(View):
         fig.update_layout(
             xaxis={"type": "log", "title": "bytes (S)"},
             yaxis={"type": "log", "title": "seconds per call"},
-            width=760,
-            height=420,
-            title="collective time against size, with the alpha-beta fit",
+            height=460,
+            autosize=True,  # no width: as wide as the output area
+            title=title("collective time against size, with the alpha-beta fit", 460),
+            margin={"l": 60, "r": 10, "t": 50, "b": 40},
+            # flat under the axes: the fits' names are long, a legend beside the plot would
+            # leave it no room in a narrow output area
+            legend={"orientation": "h", "x": 0, "y": -0.18, "yanchor": "top"},
         )
         head = [widgets.HTML(warning_html(warning))] if warning else []
         self.children = (*head, self.add_figure(fig), widgets.HTML(self._table()))

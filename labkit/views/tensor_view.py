@@ -5,7 +5,9 @@ values directly. One panel per rank: a 2-D tensor (or an N-D one, its leading di
 rows) up to 32x32 is a heatmap, a 1-D one up to 1024 elements is a bar chart, anything larger is
 a summary (shape, dtype, min/max/mean/norm) over a block-averaged heatmap. Every panel of a view
 uses one colour scale (the same zmin/zmax, diverging around 0 when values change sign), so a rank
-that differs stands out. `before=`/`after=` put two states side by side; `snapshots=` gives a
+that differs stands out, and the view has one colour bar for all of them. The panels fill a
+grid of equal columns that follows the output area's width (4 panels: 1 x 4, 2 x 2 or 4 x 1,
+never 3 + 1; `grid_css`). `before=`/`after=` put two states side by side; `snapshots=` gives a
 slider stepping through a list of states.
 """
 
@@ -17,6 +19,7 @@ from typing import Any
 
 import ipywidgets as widgets
 import plotly.graph_objects as go
+from plotly.colors import get_colorscale, sample_colorscale
 
 from labkit.views._common import View, html_table, is_lab, title
 from labkit.views.tensor_data import (
@@ -35,14 +38,24 @@ from labkit.views.tensor_data import (
 __all__ = ["TensorView", "show_tensors", "tensor_panel"]
 
 
+PANEL_MIN_WIDTH = 240  # px: the grid puts as many panels in a row as fit at this width or more
+PANEL_HEIGHT = 250
+
+
 def tensor_panel(info: TensorInfo, rank: int, scale: Scale, label: str = "") -> go.Figure:
-    """One rank's panel as a plotly figure."""
+    """One rank's panel as a plotly figure (no width: it takes its grid cell's width).
+
+    The panel's title is its first line, the mode bar stands on the right (vertical), so it
+    never covers the title, and the y tick labels get the margin they need (automargin)."""
     heading = info.header(rank, label)
     kind = info.kind
+    top = 48 if kind == "summary" else 30
     layout: dict[str, Any] = {
-        "width": 280,
-        "height": 280,
-        "margin": {"l": 40, "r": 10, "t": 84, "b": 30},
+        "height": PANEL_HEIGHT,
+        "autosize": True,
+        "margin": {"l": 10, "r": 30, "t": top, "b": 24},
+        "modebar": {"orientation": "v"},
+        "showlegend": False,
     }
     if kind == "empty":
         fig = go.Figure(layout=layout)
@@ -52,12 +65,15 @@ def tensor_panel(info: TensorInfo, rank: int, scale: Scale, label: str = "") -> 
         text = [fmt_value(v) for v in a] if a.size <= 32 else None
         bar = go.Bar(
             x=list(range(a.size)),
-            y=a,
+            y=a.tolist(),
             text=text,
             textangle=0,
             name=f"rank {rank}",
+            # each bar's colour as a colour, not as a value for plotly to map: plotly.js picks
+            # the text colour inside a bar by contrast with the bar's colour, and a value there
+            # logs "Invalid color specifier: number 60" in the browser console per bar
             marker={
-                "color": a,
+                "color": bar_colours(a, scale),
                 "colorscale": scale.colorscale,
                 "cmin": scale.zmin,
                 "cmax": scale.zmax,
@@ -70,7 +86,7 @@ def tensor_panel(info: TensorInfo, rank: int, scale: Scale, label: str = "") -> 
     else:
         a = as_2d(info.array) if kind == "heatmap" else downsample(as_2d(info.array))
         heat = go.Heatmap(
-            z=a,
+            z=a.tolist(),
             zmin=scale.zmin,
             zmax=scale.zmax,
             colorscale=scale.colorscale,
@@ -84,8 +100,67 @@ def tensor_panel(info: TensorInfo, rank: int, scale: Scale, label: str = "") -> 
         fig.update_xaxes(dtick=max(1, a.shape[1] // 8))
         if kind == "summary":
             heading += f"<br><sub>{summary_text(info)} (block means)</sub>"
-    fig.update_layout(title=title(heading, layout["height"], below=52))
+    fig.update_yaxes(automargin=True)
+    fig.update_layout(title=title(heading, PANEL_HEIGHT, below=6))
     return fig
+
+
+def bar_colours(values: Any, scale: Scale) -> list[str]:
+    """The colour of each value on the view's scale (what plotly would map it to)."""
+    span = scale.zmax - scale.zmin or 1.0
+    where = [min(1.0, max(0.0, (float(v) - scale.zmin) / span)) for v in values]
+    return sample_colorscale(get_colorscale(scale.colorscale), where)
+
+
+def colour_bar(scale: Scale) -> str:
+    """The view's one colour bar as HTML (every panel shares its scale): a gradient as wide as
+    the view, its ends and middle labelled. Plain CSS, so it follows the width like the grid."""
+    stops = sample_colorscale(get_colorscale(scale.colorscale), [i / 10 for i in range(11)])
+    gradient = ", ".join(f"{c} {i * 10}%" for i, c in enumerate(stops))
+    mid = (scale.zmin + scale.zmax) / 2
+    labels = "".join(
+        f"<span>{html.escape(fmt_value(v))}</span>" for v in (scale.zmin, mid, scale.zmax)
+    )
+    return (
+        "<div class='lk-colour-bar' style='margin:4px 8px 0'>"
+        f"<div style='height:12px;background:linear-gradient(to right, {gradient})'></div>"
+        f"<div style='display:flex;justify-content:space-between;font-size:11px'>{labels}</div>"
+        "<div style='font-size:11px;text-align:center;color:#555'>"
+        "one colour scale for every panel</div></div>"
+    )
+
+
+def grid_css(num_panels: int) -> str:
+    """CSS that lays `num_panels` panels out in columns that divide them evenly (4: 1 x 4 or
+    2 x 2 or 4 x 1, never 3 + 1), as many as fit at PANEL_MIN_WIDTH px each in the view's width
+    (a container query: it follows the output area as the window is resized)."""
+    n = num_panels
+    cls = f"lk-tensor-grid-{n}"
+    columns = [d for d in range(2, n + 1) if n % d == 0] if n <= 12 else list(range(2, n + 1))
+    rules = [
+        f".{CONTAINER_CLASS} {{container-type: inline-size}}",
+        f".{cls} {{display: grid; grid-template-columns: minmax(0, 1fr); gap: 4px 8px}}",
+    ]
+    for d in columns:
+        rules.append(
+            f"@container (min-width: {d * PANEL_MIN_WIDTH}px) {{.{cls} "
+            f"{{grid-template-columns: repeat({d}, minmax(0, 1fr))}}}}"
+        )
+    return "<style>" + "\n".join(rules) + "</style>"
+
+
+CONTAINER_CLASS = "lk-tensors"
+
+
+def panel_grid(panels: Sequence[widgets.Widget]) -> widgets.Box:
+    """The panels in a grid of equal columns (`grid_css`); each panel fills its cell."""
+    grid = widgets.Box([widgets.Box([p], layout=_cell()) for p in panels])
+    grid.add_class(f"lk-tensor-grid-{len(panels)}")
+    return grid
+
+
+def _cell() -> widgets.Layout:
+    return widgets.Layout(flex_flow="column", min_width="0")
 
 
 class TensorView(View):
@@ -95,13 +170,16 @@ class TensorView(View):
         self, states: list[tuple[str, dict[int, TensorInfo]]], *, slider: bool, title: str | None
     ) -> None:
         super().__init__()
+        self.add_class(CONTAINER_CLASS)
         self.states = states
         self.title = title
         self.scale = shared_scale([i for _, infos in states for i in infos.values()])
         head = [widgets.HTML(f"<b>{html.escape(title)}</b>")] if title else []
+        self.colour_bar = colour_bar(self.scale)
         self.slider: widgets.IntSlider | None = None
         if slider:
-            self._boxes = {r: widgets.Box() for r in sorted({r for _, i in states for r in i})}
+            ranks = sorted({r for _, i in states for r in i})
+            self._boxes = {r: widgets.Box(layout=_cell()) for r in ranks}
             self._label = widgets.HTML()
             self.slider = widgets.IntSlider(
                 min=0, max=len(states) - 1, value=0, readout=False, description="snapshot"
@@ -111,18 +189,30 @@ class TensorView(View):
             self.slider.observe(lambda change: self.show_step(change["new"]), names="value")
             self.show_step(0)
             controls = widgets.HBox([play, self.slider, self._label])
-            panels = widgets.HBox(list(self._boxes.values()), layout=_wrap())
-            self.children = (*head, controls, panels)
+            grid = widgets.Box(list(self._boxes.values()))
+            grid.add_class(f"lk-tensor-grid-{len(ranks)}")
+            body: list[widgets.Widget] = [controls, grid]
+            sizes = {len(ranks)}
         else:
             columns = [self._column(label, infos) for label, infos in states]
-            body = columns[0] if len(columns) == 1 else widgets.HBox(columns)
-            self.children = (*head, body)
+            body = columns if len(columns) == 1 else [widgets.HBox(columns, layout=_side())]
+            sizes = {len(infos) for _, infos in states}
+        css = widgets.HTML("".join(grid_css(n) for n in sorted(sizes)))
+        css.layout.display = "none"  # only its rules matter
+        bar = widgets.HTML(self.colour_bar)
+        self.children = (*head, *body, bar, css)
 
     def _column(self, label: str, infos: dict[int, TensorInfo]) -> widgets.Widget:
         panels = [self.add_figure(tensor_panel(i, r, self.scale, label)) for r, i in infos.items()]
         if not label:
-            return widgets.HBox(panels, layout=_wrap())
-        return widgets.VBox([widgets.HTML(f"<b>{html.escape(label)}</b>"), *panels])
+            return panel_grid(panels)
+        heading = widgets.HTML(f"<b>{html.escape(label)}</b>")
+        column = widgets.VBox(
+            [heading, panel_grid(panels)],
+            layout=widgets.Layout(flex=f"1 1 {PANEL_MIN_WIDTH}px", min_width="0"),
+        )
+        column.add_class(CONTAINER_CLASS)  # its grid follows the column's width
+        return column
 
     def show_step(self, index: int) -> None:
         """Show snapshot `index` (what the slider calls)."""
@@ -147,8 +237,9 @@ class TensorView(View):
         return "<div class='labkit-tensors'>" + "".join(parts) + "</div>"
 
 
-def _wrap() -> widgets.Layout:
-    return widgets.Layout(flex_flow="row wrap")
+def _side() -> widgets.Layout:
+    """before | after: two equal columns side by side, one under the other when narrow."""
+    return widgets.Layout(flex_flow="row wrap", width="100%")
 
 
 def _static_table(info: TensorInfo, rank: int) -> str:
