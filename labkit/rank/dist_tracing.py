@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Any
 
+from labkit.rank import torch_compat
 from labkit.rank.gloo_guard import P2P, refuse_cuda_over_gloo
 from labkit.rank.trace_state import (
     STATE,
@@ -66,12 +67,16 @@ OPS: dict[str, tuple[str | None, str | None]] = {
     "batch_isend_irecv": ("p2p_op_list", None),
 }
 ASYNC_ALWAYS = {"isend", "irecv", "batch_isend_irecv"}
-JOIN = ("notify_join_context", "join.py")  # the caller whose Work goes to DDP's C++ reducer
 
 
 def _from_join() -> bool:
+    """Whether the caller of the traced all_reduce is `Join.notify_join_context`, whose Work goes
+    to DDP's C++ reducer (torch_compat's `join_hook`: its function's name and file)."""
+    join = torch_compat.get("join_hook")
+    if join is None:
+        return False
     code = sys._getframe(2).f_code
-    return code.co_name == JOIN[0] and code.co_filename.endswith(JOIN[1])
+    return code.co_name == join[0] and code.co_filename.endswith(join[1])
 
 
 def _wrap(op: str, fn: Any) -> Any:
@@ -125,6 +130,8 @@ def _wrap(op: str, fn: Any) -> Any:
                     STATE.inside = False
                 issued(rec)
             rec.end = time.time()  # issued; completion moves it later
+            if op == "all_reduce" and not torch_compat.available("join_hook"):
+                return work  # it may be Join's, whose Work DDP's reducer takes as torch's own
             return _complete_on_wait(work, [rec], event)
         if main:
             STATE.current, STATE.since, STATE.inside = rec, rec.start, True
