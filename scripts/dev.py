@@ -55,7 +55,7 @@ RANGE_TESTS = [
     "tests/test_ddp_observed.py",
     "tests/test_checkers_collectives.py::test_pair_sum",
     "tests/test_checkers_collectives.py::test_pair_sum_local_synchronization",
-    "tests/test_notebooks.py::test_notebook_runs[00_start_here.ipynb]",
+    "tests/test_notebooks.py::test_notebook_runs[00_start.ipynb]",
     "tests/test_notebooks.py::test_notebook_runs[10_process_groups.ipynb]",
     "tests/test_notebooks.py::test_notebook_runs[12_collectives.ipynb]",
 ]

@@ -3,23 +3,13 @@
 # installs the wheels in .whl/ (the versions CI installs, downloaded for that machine's Python)
 # into /tmp/site, records the machine, then runs `pytest -m gpu tests/test_gpu.py` beside the
 # notebooks on cuda in three shards (scripts/gpu_notebooks.py), everything written under $OUT.
-# Where torch is older than 2.13 it aliases the two 2.13 collective names labkit uses to their
-# older equivalents, for that run only (a sitecustomize in /tmp/site). NB_S: the notebooks' limit.
+# Where torch is older than 2.13 the ranks provide its two collective names themselves
+# (labkit.rank.torch_compat), so no shim is needed. NB_S: the notebooks' limit.
 set -u
 cd "$(dirname "$0")/.."
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl > /tmp/install.log 2>&1 || { echo "install failed"; tail -20 /tmp/install.log; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD
-# torch < 2.13 here: the 2.13 names labkit teaches stand in for their older equivalents
-cat > /tmp/site/sitecustomize.py <<'PY'
-try:
-    import torch.distributed as _d
-    for _new, _old in (("all_gather_single", "all_gather_into_tensor"), ("reduce_scatter_single", "reduce_scatter_tensor")):
-        if not hasattr(_d, _new) and hasattr(_d, _old):
-            setattr(_d, _new, getattr(_d, _old))
-except Exception:
-    pass
-PY
 { date -u; nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc
   python3 -c "import sys, torch, torch.distributed as d; print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available(), torch.cuda.device_count(), torch.cuda.get_device_name(0), 'nccl', d.is_nccl_available())"
   timeout 60 python3 -m labkit doctor; } > "$OUT/env.txt" 2>&1
