@@ -71,6 +71,21 @@ def test_the_environment_variable_disables_too(monkeypatch: pytest.MonkeyPatch) 
     assert "LABKIT_TORCH_OFF" in torch_compat.missing("join_hook")
 
 
+@pytest.mark.timeout(120)
+def test_doctor_prints_the_range_and_what_is_missing(monkeypatch, capsys) -> None:
+    from labkit.tools import cli
+
+    monkeypatch.setenv(torch_compat.OFF_ENV, "join_hook")
+    assert cli.main(["doctor"]) == 0
+    out = capsys.readouterr().out
+    low, high = torch_compat.TESTED
+    assert f"tested range: torch {low} to {high}: {torch.__version__} is inside" in out
+    assert "unavailable: join_hook\n" in out
+    assert "join_hook: made unavailable (LABKIT_TORCH_OFF): no end time" in out
+    renamed = torch_compat.renames_needed()
+    assert ("renamed by labkit: all_gather_single" in out) is bool(renamed)
+
+
 def test_renames_provide_only_the_two_names(monkeypatch: pytest.MonkeyPatch) -> None:
     """On a torch without torch 2.13's names, provide_renames adds exactly those two to
     torch.distributed, bound to the functions they replaced, with their signatures."""

@@ -107,12 +107,12 @@ FEATURES: dict[str, tuple[str, Callable[[], Any]]] = {
         _flight_recorder,
     ),
     "group_registry": (
-        "the group of the Flight Recorder's records, and a cell's destroy_process_group() "
-        "destroying the cell's own groups (they stay)",
+        "groups for the Flight Recorder's records (so none are made), and no destruction of a "
+        "cell's own groups by destroy_process_group() (they stay)",
         _group_registry,
     ),
     "join_hook": (
-        "the end time of an async all_reduce's record (it ends when issued): labkit cannot tell "
+        "end time for an async all_reduce's record (it ends when issued): labkit cannot tell "
         "Join's all_reduce, whose Work must stay torch's own, from the others",
         _join_hook,
     ),
@@ -121,11 +121,11 @@ FEATURES: dict[str, tuple[str, Callable[[], Any]]] = {
         _functional_collectives,
     ),
     "dtensor_local_shape": (
-        "the placement view's slices of a DTensor and labkit.parallel.two_d.local_piece",
+        "slices of a DTensor in the placement view, and no labkit.parallel.two_d.local_piece",
         _dtensor_local_shape,
     ),
     "profiler_event_tree": (
-        "labkit.parallel.zero_redundancy's allocation peaks from the profiler's event tree",
+        "allocation peaks from the profiler's event tree (labkit.parallel.zero_redundancy)",
         _profiler_event_tree,
     ),
 }
