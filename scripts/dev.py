@@ -145,7 +145,7 @@ def ensure_torch(version: str) -> str:
     pip = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", where]
     sh(*pip, "--no-deps", *index_args(), f"torch=={version}")
     if subprocess.run(probe, capture_output=True, env=with_path(where)).returncode != 0:
-        sh(*pip, *index_args(), f"torch=={version}")  # a CUDA build: its libraries too
+        sh(*pip, "--upgrade", *index_args(), f"torch=={version}")  # CUDA's libraries too
     return where
 
 

@@ -233,3 +233,38 @@ except RuntimeError as e:
         assert "lacks functional_collectives" in out[0].output
     finally:
         lab.run("torch_compat.enable()")
+
+
+@pytest.mark.timeout(180)
+def test_the_renames_are_said_once_and_recorded_as_called(lab) -> None:
+    """On a torch older than 2.13 (the oldest of the range): rank 0 says once that the ranks
+    provide the two names; each call is recorded under the name it was called by."""
+    provided = lab.run(
+        "from labkit.rank import torch_compat; torch_compat.provided('all_gather_single')"
+    )
+    if not provided[0].value:
+        pytest.skip(f"torch {torch.__version__} has torch 2.13's names: none to provide")
+    out = lab.run(
+        """
+mine, out, half = torch.arange(2.) + rank, torch.empty(4), torch.empty(2)
+dist.all_gather_single(out, mine)
+dist.reduce_scatter_single(half, out)
+dist.all_gather_single(out, mine, async_op=True).wait()
+dist.all_gather_into_tensor(out, mine)
+(out, half)
+"""
+    )
+    out.raise_for_errors()
+    for r in (0, 1):
+        gathered, half = out[r].value
+        assert torch.equal(gathered, torch.tensor([0.0, 1.0, 1.0, 2.0]))
+        assert torch.equal(half, 2 * torch.tensor([0.0, 1.0, 1.0, 2.0]).chunk(2)[r])
+    assert out[0].output.count("predates torch 2.13's names; the ranks provide") == 1
+    assert "predates" not in out[1].output
+    ops = [(r.op, r.bytes) for r in lab.trace() if r.rank == 0 and r.kind == "comm"]
+    assert ops == [
+        ("all_gather_single", 16),
+        ("reduce_scatter_single", 16),
+        ("all_gather_single", 16),
+        ("all_gather_into_tensor", 16),
+    ], ops

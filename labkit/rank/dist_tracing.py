@@ -10,7 +10,10 @@ issues them. Async calls (`async_op=True`, `isend`, `irecv`) complete when their
 Each call is recorded under the name the user called, torch 2.13's `all_gather_single` /
 `reduce_scatter_single` as well as their deprecated forms `all_gather_into_tensor` /
 `reduce_scatter_tensor` (which call the new ones: one call, one record);
-`labkit.views.bandwidth.canonical_op` folds them into `all_gather` / `reduce_scatter`.
+`labkit.views.bandwidth.canonical_op` folds them into `all_gather` / `reduce_scatter`. On a torch
+older than 2.13 the ranks provide the new names (`labkit.rank.torch_compat.provide_renames`), and
+torch's own calls of the old ones (FSDP2's) are recorded under the new names, as torch 2.13's
+FSDP2 makes them, so a trace reads the same on every torch of the range.
 
 Point-to-point calls first pass `labkit.rank.gloo_guard`, tracing on or off: a CUDA tensor over
 gloo is refused with a message instead of crashing the rank.
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import threading
 import time
@@ -79,6 +83,21 @@ def _from_join() -> bool:
     return code.co_name == join[0] and code.co_filename.endswith(join[1])
 
 
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(torch.__file__) + os.sep
+
+
+def _recorded_as(op: str) -> str:
+    """torch 2.13's name for an older torch's own call of a function 2.13 renamed (FSDP2's
+    all_gather_into_tensor on torch 2.11); any other call keeps the name it was called by."""
+    new = torch_compat.RENAMED_FROM.get(op)
+    if new is None or not torch_compat.provided(new):
+        return op
+    return new if sys._getframe(2).f_code.co_filename.startswith(_torch_dir()) else op
+
+
 def _wrap(op: str, fn: Any) -> Any:
     sig = inspect.signature(fn)
     tensor_arg, peer_arg = OPS[op]
@@ -107,7 +126,7 @@ def _wrap(op: str, fn: Any) -> Any:
             peer = ranks[bound["group_" + peer_arg]] if ranks else None
         reduce_op = bound.get("op", default_op)
         rec = new_record(
-            op,
+            _recorded_as(op) if op in torch_compat.RENAMED_FROM else op,
             ranks,
             tensors,
             peer=peer,

@@ -25,8 +25,10 @@ and says `missing(name)` instead of failing: the lab works, without that feature
 Renames: torch 2.13 named `all_gather_single` / `reduce_scatter_single` (the curriculum's
 names); `provide_renames()` gives an older torch those two names, bound to the functions they
 replaced (`all_gather_into_tensor`, `reduce_scatter_tensor`: same arguments, same result), and
-nothing else. The tracer wraps them under the new names, so records and views show the name the
-user called.
+nothing else; rank 0 says so at the first call of one. The tracer wraps them under the new names,
+so records and views show the name the user called (and torch's own calls of the old names,
+FSDP2's, are recorded under the new ones, as torch 2.13's FSDP2 makes them: see
+labkit.rank.dist_tracing).
 
 `TESTED` is the range CI runs (the oldest and the newest torch of it); `in_range(version)` says
 whether a torch lies inside it. `disable(name)` (or `LABKIT_TORCH_OFF=name,name` in a rank's
@@ -48,6 +50,7 @@ RENAMES = {  # torch 2.13's name -> the older name with the same arguments and r
     "all_gather_single": "all_gather_into_tensor",
     "reduce_scatter_single": "reduce_scatter_tensor",
 }
+RENAMED_FROM = {old: new for new, old in RENAMES.items()}
 
 
 def _flight_recorder() -> Any:
@@ -200,6 +203,13 @@ def in_range(version: str) -> bool:
     v = version_tuple(version)
     low, high = (version_tuple(t) for t in TESTED)
     return low <= v[: len(low)] and v[: len(high) - 1] <= high[:-1]
+
+
+def provided(new: str) -> bool:
+    """Whether labkit provided torch 2.13's name `new` on this torch (provide_renames)."""
+    import torch.distributed as dist
+
+    return hasattr(getattr(dist, new, None), "__labkit_renamed__")
 
 
 def renames_needed() -> list[str]:
