@@ -54,10 +54,10 @@ _LAZY = {
     "show_timeline": "labkit.views",
     "show_comm": "labkit.views",
     "save_trace": "labkit.views",
-    "profile": "labkit.kernel.profiling",
-    "flight_recorder": "labkit.kernel.flight_recorder",
+    "profile": "labkit.kernel.inspection.profiling",
+    "flight_recorder": "labkit.kernel.inspection.flight_recorder",
     "auto_split": "labkit.parallel.auto_split",
-    "run_command": "labkit.kernel.commands",
+    "run_command": "labkit.kernel.cell.commands",
 }
 
 
@@ -85,6 +85,6 @@ def prewarm() -> None:
     magics. LABKIT_PREWARM=0 turns it off (a benchmark measuring a cold start sets it).
     """
     if os.environ.get("LABKIT_PREWARM", "1") != "0":
-        from labkit.kernel import spawn
+        from labkit.kernel.launch import spawn
 
         spawn.prewarm()

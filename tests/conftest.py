@@ -19,9 +19,11 @@
 
 from __future__ import annotations
 
+import json
 import multiprocessing.resource_tracker
 import os
 import signal
+import subprocess
 import sys
 import tempfile
 
@@ -39,29 +41,34 @@ from processes import (  # noqa: E402
     descendants,
     describe,
     end,
+    key,
     pid_alive,
     subtree,
     table,
     wait_gone,
 )
 
-from labkit.kernel import log_dirs  # noqa: E402
+from labkit.kernel.inspection import log_dirs  # noqa: E402
 
 __all__ = ["pid_alive"]
 
 ORPHAN_WAIT = 5.0  # seconds a test's processes get to exit after it ends
-_held: dict[pytest.FixtureDef, set[Key]] = {}  # a longer-lived fixture's processes
+_held: dict[object, set[Key]] = {}  # a longer-lived fixture's processes, by its FixtureDef
 _reported: set[Key] = set()  # named once already (and ended)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     become_subreaper()
-    # the labs' logs go to a directory of this run's, removed at its end (labkit.kernel.log_dirs)
+    # Temporary files of this run (labkit's socket directories, torchrun's torchelastic_*
+    # directories, the labs' logs) go to a directory of this run's: the session's end checks
+    # what is left there, then removes it.
+    os.environ["TMPDIR"] = _TMP.name
+    tempfile.tempdir = None  # read TMPDIR again
     if not os.environ.get(log_dirs.ENV):
-        os.environ[log_dirs.ENV] = _LOGS.name
+        os.environ[log_dirs.ENV] = os.path.join(_TMP.name, "logs")
 
 
-_LOGS = tempfile.TemporaryDirectory(prefix="labkit-test-logs-")
+_TMP = tempfile.TemporaryDirectory(prefix="labkit-test-tmp-")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
@@ -69,6 +76,64 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         callspec = getattr(item, "callspec", None)
         if callspec is not None and callspec.params.get("load") == "loaded":
             item.add_marker(pytest.mark.loaded)
+    # the notebooks run beside the other tests (`notebook_batch`): their results are read last
+    notebooks = [i for i in items if i.originalname == "test_notebook_runs"]
+    if notebooks:
+        items[:] = [i for i in items if i.originalname != "test_notebook_runs"] + notebooks
+
+
+NOTEBOOK_JOBS = max(1, int(os.environ.get("LABKIT_NOTEBOOK_JOBS", "2")))
+
+
+class NotebookBatch:
+    """The notebooks of this run, executing in tests/notebook_runner.py's process."""
+
+    def __init__(self, paths: list[str], tmp: str):
+        self.paths = paths
+        self.out = os.path.join(tmp, "notebooks.json")
+        runner = os.path.join(os.path.dirname(__file__), "notebook_runner.py")
+        cmd = [sys.executable, runner, self.out, str(NOTEBOOK_JOBS), *paths]
+        self.proc = subprocess.Popen(cmd) if paths else None
+
+    def results(self) -> dict:
+        """Wait for every notebook; {"wall", "jobs", "runs": {path: (ok, s, error)}, "left"}."""
+        if self.proc is None:
+            return {"wall": 0.0, "jobs": NOTEBOOK_JOBS, "runs": {}, "left": ""}
+        self.proc.wait()
+        with open(self.out) as f:
+            return json.load(f)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            end(subtree({k for k in [key(self.proc.pid)] if k}))
+            self.proc.wait()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def notebook_batch(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """Starts the selected notebooks (tests/test_notebooks.py) when the run's first test starts,
+    JOBS (LABKIT_NOTEBOOK_JOBS, default 2) at a time, longest first, so that they run while the
+    other tests do. Their processes belong to this fixture (the orphan check skips them until
+    its teardown; the runner itself names any it had to end)."""
+    paths = [
+        item.callspec.params["path"]
+        for item in request.session.items
+        if item.originalname == "test_notebook_runs" and hasattr(item, "callspec")
+    ]
+    paths.sort(key=lambda p: -os.path.getsize(p))  # the last one to start is a short one
+    batch = NotebookBatch(paths, str(tmp_path_factory.mktemp("notebooks")))
+    # held by hand: the hook that does it for other fixtures never sees a session-scoped one
+    # (conftest.py is below the rootdir, the session's node is not)
+    runner = key(batch.proc.pid) if batch.proc is not None else None
+    if runner is not None:
+        _held[NotebookBatch] = {runner}
+    try:
+        yield batch
+    finally:
+        batch.stop()
+        keys = _held.pop(NotebookBatch, set())
+        if keys:
+            _fail_if_left((keys | subtree(keys)) - _reported, "the notebooks' runner")
 
 
 def _helpers() -> set[int]:
@@ -104,7 +169,10 @@ def pytest_fixture_setup(fixturedef: pytest.FixtureDef, request: pytest.FixtureR
     try:
         return (yield)
     finally:
-        new = descendants() - before
+        procs = table()
+        others = set().union(*(keys for f, keys in _held.items() if f is not fixturedef))
+        # not what an earlier fixture's processes started meanwhile (the notebooks' kernels)
+        new = descendants(procs=procs) - before - subtree(others, procs)
         if new:
             _held[fixturedef] = _held.get(fixturedef, set()) | new
 
@@ -124,23 +192,56 @@ def no_orphans(request: pytest.FixtureRequest):
     _fail_if_left(_others(table()) - before, request.node.nodeid)
 
 
+def _left_files() -> list[str]:
+    """What labkit left in this run's temporary directory: its labs' socket directories,
+    shared-memory folders and the fork server logs of dead kernels. The logs' root itself is
+    allowed (labkit keeps logs there by design, pruned); so is what other programs make
+    (torchrun, pytest)."""
+    left = []
+    for name in sorted(os.listdir(_TMP.name)):
+        if name.startswith("labkit"):
+            left.append(os.path.join(_TMP.name, name))
+    logs = os.environ.get(log_dirs.ENV, "")
+    if os.path.isdir(logs):
+        left += [  # a dead kernel's (this process's spare fork server still runs)
+            os.path.join(logs, n)
+            for n in os.listdir(logs)
+            if n.startswith(log_dirs.FORK_SERVER_LOG)
+            and not pid_alive(log_dirs._kernel_pid(n) or 0)
+        ]
+    return left
+
+
+def _report(session: pytest.Session, title: str, msg: str) -> None:
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.ensure_newline()
+        reporter.write_sep("=", title, red=True)
+        reporter.write_line(msg)
+    else:
+        print(msg, file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """After every fixture's teardown: a descendant still running fails the run."""
+    """After every fixture's teardown: a descendant still running, or a temporary file of
+    labkit's still there, fails the run."""
     helpers = _helpers()
     left = wait_gone({k for k in descendants() if k[0] not in helpers}, ORPHAN_WAIT)
     if left:
         names = describe(left)
         end(left)
         msg = f"{len(left)} process(es) outlived the test session (now ended):\n{names}"
-        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
-        if reporter is not None:
-            reporter.ensure_newline()
-            reporter.write_sep("=", "orphans", red=True)
-            reporter.write_line(msg)
-        else:
-            print(msg, file=sys.stderr)
-        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+        _report(session, "orphans", msg)
+    files = _left_files()
+    if files:
+        _report(
+            session,
+            "files left",
+            f"labkit left {len(files)} temporary file(s):\n" + "\n".join(files),
+        )
+    _TMP.cleanup()
 
 
 @pytest.fixture(scope="module")

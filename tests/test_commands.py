@@ -16,7 +16,7 @@ import pytest
 from processes import alive, descendants, pid_alive
 
 from labkit import run_command
-from labkit.kernel.commands import end_tree, tree
+from labkit.kernel.cell.commands import end_tree, tree
 
 # An "agent" that starts two workers which sleep, prints their pids, and (like torchrun's
 # agent) on SIGTERM ends its workers before exiting, unless told to ignore SIGTERM.

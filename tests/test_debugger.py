@@ -104,6 +104,7 @@ def values(kernel):
 
 
 def test_debug_says_what_is_wrong(kernel):
+    kernel.ok("%lab restart")  # fresh ranks: none has raised, whatever earlier tests did
     out = kernel.run("%lab debug 0")
     assert out["error"]["ename"] == "LabError", out
     assert "rank 0 has no exception to debug" in out["error"]["evalue"]

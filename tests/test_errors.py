@@ -62,7 +62,7 @@ def test_a_rank_error_and_a_diagnosis_render_alike() -> None:
 def test_ipython_shows_no_internal_frames_or_chained_stuck() -> None:
     shell = InteractiveShell.instance()
     cell = (
-        "from labkit.kernel.channel import Stuck\n"
+        "from labkit.kernel.channel.channel import Stuck\n"
         "from labkit.kernel import lab as lab_module\n"
         "def diagnose():\n"
         "    try:\n"

@@ -60,6 +60,7 @@ def test_each_rank_lists_its_recent_collectives_between_cells(lab, capsys):
 
 def test_the_stacks_show_rank_0_inside_all_reduce_n_while_rank_1_never_called_it(lab, tmp_path):
     flag = str(tmp_path / "go")
+    lab.run("dist.all_reduce(torch.ones(1))")  # so rank 1 has a last collective to show
     seq = _last_seq(lab)[0] + 1
     entered = f"#{seq} all_reduce on default_pg: scheduled"
     found = []

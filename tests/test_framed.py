@@ -1,5 +1,5 @@
 """The ctrl links of forked ranks: framing (labkit.wire.framed), the kernel's router
-(labkit.kernel.direct) and a rank's end (labkit.rank.link)."""
+(labkit.kernel.channel.direct) and a rank's end (labkit.rank.link)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from labkit.kernel.direct import DirectRouter
+from labkit.kernel.channel.direct import DirectRouter
 from labkit.rank.link import CtrlLink
 from labkit.wire import framed
 from labkit.wire.framed import CHUNK, MAX_FRAMES, MAX_MESSAGE, Inbox, LinkBroken, Outbox, header

@@ -27,7 +27,7 @@ PROBE = textwrap.dedent(
     if "prewarm" in sys.argv:
         labkit.prewarm()
         print("prewarmed", children(), threading.active_count())
-        from labkit.kernel import spawn
+        from labkit.kernel.launch import spawn
         spawn.take().close()
     """
 )
@@ -59,7 +59,7 @@ def test_prewarm_starts_a_fork_server():
 
 
 def test_fork_server_says_when_its_warm_up_is_done():
-    from labkit.kernel import spawn
+    from labkit.kernel.launch import spawn
 
     server = spawn.ForkServer()
     try:

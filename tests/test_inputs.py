@@ -2,8 +2,8 @@
 
 import pytest
 
-from labkit.kernel.policy import check_world_size, choose
-from labkit.kernel.rank_spec import parse_ranks
+from labkit.kernel.cell.rank_spec import parse_ranks
+from labkit.kernel.launch.policy import check_world_size, choose
 
 
 @pytest.mark.parametrize("n", [0, -1, 10_000, "4", 2.0, True])
@@ -130,7 +130,7 @@ def test_lab_rejects_bad_arguments_before_starting():
 
 
 def test_labkit_device_env_sets_the_default_device_only():
-    from labkit.kernel.policy import default_device
+    from labkit.kernel.launch.policy import default_device
 
     assert default_device("auto", {}) == "auto"
     assert default_device("auto", {"LABKIT_DEVICE": "cuda"}) == "cuda"

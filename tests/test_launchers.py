@@ -9,14 +9,14 @@ import types
 
 import pytest
 
-from labkit.kernel import cell_run
-from labkit.kernel.attached import choose_attached, torchrun_command
-from labkit.kernel.cell_run import CellOutcome, CellRun, recovery_note
-from labkit.kernel.channel import Stuck
-from labkit.kernel.forked import ForkedRanks
-from labkit.kernel.launcher import RankLauncher
-from labkit.kernel.output import RankOutput
-from labkit.kernel.policy import choose
+from labkit.kernel.cell import cell_run
+from labkit.kernel.cell.cell_run import CellOutcome, CellRun, recovery_note
+from labkit.kernel.channel.channel import Stuck
+from labkit.kernel.channel.output import RankOutput
+from labkit.kernel.launch.attached import choose_attached, torchrun_command
+from labkit.kernel.launch.forked import ForkedRanks
+from labkit.kernel.launch.launcher import RankLauncher
+from labkit.kernel.launch.policy import choose
 
 
 def attach(rank: int, host: str, gpus: int = 0, nccl: bool = False) -> dict:
@@ -215,7 +215,7 @@ def test_recovery_note_names_the_dead_rank_first_and_what_was_lost() -> None:
 
 def test_forked_ranks_can_restart_and_say_so() -> None:
     assert ForkedRanks.cannot_restart is None
-    from labkit.kernel.attached import TorchrunRanks
+    from labkit.kernel.launch.attached import TorchrunRanks
 
     assert "cannot restart" in TorchrunRanks.cannot_restart
 
@@ -248,7 +248,7 @@ def test_a_call_abandoned_by_another_exception_still_stops_the_ranks() -> None:
 
 
 def test_output_sent_before_done_is_shown_even_when_it_arrives_late(tmp_path, capsys) -> None:
-    from labkit.kernel.channel import Channel
+    from labkit.kernel.channel.channel import Channel
     from labkit.wire.codec import Codec, new_key
 
     channel = Channel(Codec(new_key()), str(tmp_path))
@@ -268,7 +268,7 @@ def test_output_sent_before_done_is_shown_even_when_it_arrives_late(tmp_path, ca
 def test_forking_waits_as_long_as_the_start_and_says_how_many_ranks_came() -> None:
     """On a busy machine forking many ranks took over the old fixed 10 s: the wait is the
     caller's (the start's deadline), and running out says how far the server got."""
-    from labkit.kernel.spawn import ForkServer
+    from labkit.kernel.launch.spawn import ForkServer
 
     server = types.SimpleNamespace(
         cond=threading.Condition(), spawned={}, alive=lambda: True, log_path="/tmp/fs.log"

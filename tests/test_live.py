@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from labkit.kernel import live
+from labkit.kernel.cell import live
 from labkit.kernel.results import CellState
 
 

@@ -1,4 +1,4 @@
-"""labkit.kernel.log_dirs: one per-user root, old labs' logs pruned, live ones kept."""
+"""labkit.kernel.inspection.log_dirs: one per-user root, old labs' logs pruned, live ones kept."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from labkit.kernel import log_dirs
+from labkit.kernel.inspection import log_dirs
 
 
 def _lab_dir(root, name, size, mtime):
@@ -56,3 +56,23 @@ def test_a_root_that_is_a_link_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv(log_dirs.ENV, str(tmp_path / "root"))
     with pytest.raises(RuntimeError, match="not a directory of this user's"):
         log_dirs.new_log_dir()
+
+
+def test_a_killed_kernels_fork_server_log_is_pruned_a_live_ones_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv(log_dirs.ENV, str(tmp_path))
+    mine = log_dirs.fork_server_log()
+    assert os.path.dirname(mine) == str(tmp_path) and os.path.getsize(mine) == 0
+    dead = tmp_path / f"{log_dirs.FORK_SERVER_LOG}pid{_dead_pid()}-abc.log"
+    dead.write_bytes(b"torch imported\n")
+    log_dirs.prune(str(tmp_path))
+    assert not dead.exists() and os.path.exists(mine)
+
+
+def test_a_closed_fork_server_leaves_no_log(tmp_path, monkeypatch):
+    from labkit.kernel.launch.spawn import ForkServer
+
+    monkeypatch.setenv(log_dirs.ENV, str(tmp_path))
+    server = ForkServer()
+    assert os.path.dirname(server.log_path) == str(tmp_path)
+    server.close()
+    assert os.listdir(tmp_path) == []

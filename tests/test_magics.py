@@ -7,7 +7,7 @@ import pytest
 from IPython.core.error import UsageError
 from test_kernel import Kernel
 
-from labkit.kernel.logs import read_tail
+from labkit.kernel.inspection.logs import read_tail
 from labkit.kernel.magics import COMMANDS, LabMagics, _parse, _split, read_log
 from labkit.wire.logfile import LOG_HEADER, log_path
 

@@ -55,6 +55,7 @@ pytestmark = pytest.mark.timeout(300)
 
 TAG = f"lk{os.getpid() % 100000}"
 NODES = 2
+LAB_RDZV_PORT = 29516  # the module's lab's; tests that make their own take the next ones
 RDZV_PORTS = iter(range(29517, 29600))  # one per torchrun job: node0's rendezvous store
 
 
@@ -146,12 +147,12 @@ def hosts():
         h.down()
 
 
-def attach_lab(h: Hosts, **kw) -> labkit.Lab:
+def attach_lab(h: Hosts, rdzv: str | None = None, **kw) -> labkit.Lab:
     return labkit.Lab.attach(
         NODES,
         host=h.lab_addr,
         nnodes=NODES,
-        rdzv=f"node0:{next(RDZV_PORTS)}",
+        rdzv=rdzv or f"node0:{next(RDZV_PORTS)}",
         allow=h.addr[:NODES],  # the nodes' addresses: not the third host's
         wait=False,
         **kw,
@@ -160,7 +161,7 @@ def attach_lab(h: Hosts, **kw) -> labkit.Lab:
 
 @pytest.fixture(scope="module")
 def lab(hosts):
-    lab = attach_lab(hosts)
+    lab = attach_lab(hosts, rdzv=f"node0:{LAB_RDZV_PORT}")
     procs = [hosts.start(lab.command, i) for i in range(NODES)]
     try:
         lab.wait_attached(180)
@@ -175,7 +176,7 @@ def lab(hosts):
 def test_the_printed_command_is_what_each_host_runs(hosts, lab):
     assert lab.command == (
         f"torchrun --nnodes=2 --nproc-per-node=1 --rdzv-backend=c10d "
-        f"--rdzv-endpoint=node0:29517 -m labkit.rank --connect {hosts.lab_addr}:"
+        f"--rdzv-endpoint=node0:{LAB_RDZV_PORT} -m labkit.rank --connect {hosts.lab_addr}:"
         f"{lab.endpoint.rsplit(':', 1)[1]} --key-file {lab.key_file}"
     )
     assert lab.channel.endpoint("ctrl").startswith(f"tcp://{hosts.lab_addr}:")

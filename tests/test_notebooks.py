@@ -1,26 +1,20 @@
 """Every notebook runs top to bottom in a fresh kernel; its own asserts check its numbers.
 
-The notebooks run `JOBS` at a time (LABKIT_NOTEBOOK_JOBS, default 2): much of a notebook's time
-is waiting (kernels and ranks starting, collectives waiting for their peers), which a second
-notebook fills. They all run while the module's fixture is set up, so the processes they start
-belong to the fixture (the orphan check in conftest.py looks at them when it is torn down);
-each test then reports its own notebook's result and time.
+The notebooks run in a process of their own (tests/notebook_runner.py), started with the
+run's first test and running beside the others, LABKIT_NOTEBOOK_JOBS (default 2) at a time:
+much of a notebook's time is waiting (kernels and ranks starting, collectives waiting for their
+peers), which other work fills. These tests come last and report each notebook's result.
 """
 
 from __future__ import annotations
 
 import glob
 import os
-import time
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from labkit.tools.cli import run_notebook
-
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
-JOBS = max(1, int(os.environ.get("LABKIT_NOTEBOOK_JOBS", "2")))
 
 
 def test_there_are_notebooks():
@@ -28,26 +22,19 @@ def test_there_are_notebooks():
 
 
 @pytest.fixture(scope="module")
-def notebook_results(request: pytest.FixtureRequest) -> dict[str, tuple[bool, float, str]]:
-    """Run every selected notebook, JOBS at a time, longest first; path -> run_notebook's."""
-    chosen = [
-        item.callspec.params["path"]
-        for item in request.session.items
-        if item.originalname == "test_notebook_runs" and hasattr(item, "callspec")
-    ]
-    # the slowest notebooks first, so the last one to start is a short one
-    chosen.sort(key=lambda p: -os.path.getsize(p))
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(JOBS) as pool:
-        results = dict(zip(chosen, pool.map(lambda p: run_notebook(p, timeout=600), chosen)))
+def notebook_results(notebook_batch, request: pytest.FixtureRequest) -> dict[str, list]:
+    """Every selected notebook's run_notebook result, path -> (ok, seconds, error), from the
+    batch conftest's `notebook_batch` started beside the other tests."""
+    got = notebook_batch.results()
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
-        busy = sum(r[1] for r in results.values())
+        busy = sum(r[1] for r in got["runs"].values())
         reporter.write_line(
-            f"\nnotebooks: {len(results)} in {time.perf_counter() - t0:.0f} s wall, {JOBS} at a "
-            f"time ({busy:.0f} s of notebook time)"
+            f"\nnotebooks: {len(got['runs'])} in {got['wall']:.0f} s wall, {got['jobs']} at a "
+            f"time beside the other tests ({busy:.0f} s of notebook time)"
         )
-    return results
+    assert not got["left"], f"the notebooks left processes running (now ended):\n{got['left']}"
+    return got["runs"]
 
 
 @pytest.mark.slow

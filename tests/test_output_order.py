@@ -1,11 +1,11 @@
-"""labkit.kernel.output: a burst of lines is shown in rank order, and nothing held is lost."""
+"""labkit.kernel.channel.output: a burst of lines is shown in rank order, nothing held is lost."""
 
 from __future__ import annotations
 
 import time
 
-from labkit.kernel import output
-from labkit.kernel.output import RankOutput
+from labkit.kernel.channel import output
+from labkit.kernel.channel.output import RankOutput
 
 
 def _line(rank: int, text: str, name: str = "stdout") -> dict:

@@ -297,7 +297,7 @@ def test_a_connection_from_a_host_not_allowed_is_rejected_and_warned(tmp_path):
 
 
 def test_allow_takes_addresses_networks_and_names():
-    from labkit.kernel.admission import parse_allow
+    from labkit.kernel.channel.admission import parse_allow
 
     nets = parse_allow(["10.1.2.3", "10.213.0.0/24", "localhost"])
     assert [str(n) for n in nets[:2]] == ["10.1.2.3/32", "10.213.0.0/24"]

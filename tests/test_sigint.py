@@ -1,4 +1,4 @@
-"""Ctrl-C held back while the kernel reads or writes a ctrl link (labkit.kernel.sigint)."""
+"""Ctrl-C held back while the kernel reads or writes a ctrl link (labkit.kernel.channel.sigint)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ import types
 
 import pytest
 
-from labkit.kernel import sigint
-from labkit.kernel.sigint import armed, uninterrupted
+from labkit.kernel.channel import sigint
+from labkit.kernel.channel.sigint import armed, uninterrupted
 
 pytestmark = pytest.mark.timeout(120)
 
 
 @pytest.fixture
 def handler_changes(monkeypatch):
-    """The SIGINT handler changes labkit.kernel.sigint makes, as a list of handlers set."""
+    """The SIGINT handler changes labkit.kernel.channel.sigint makes, as a list of handlers set."""
     changes: list[object] = []
 
     def counted(signum: int, handler: object) -> object:

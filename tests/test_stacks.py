@@ -229,7 +229,7 @@ def test_snapshot_folds_labkit_frames_and_shows_cell_lines():
 
 
 def test_stuck_text_keeps_the_main_thread_and_names_the_silent():
-    from labkit.kernel.stacks import RankStacks, stuck_text
+    from labkit.kernel.inspection.stacks import RankStacks, stuck_text
 
     main = 'Thread "MainThread" (main, running cell 3):\n    <module> (<cell-3>:2)\n        x()'
     other = 'Thread "user-thread":\n    run (worker.py:1)'

@@ -17,7 +17,7 @@ import pytest
 
 import labkit
 from labkit import LabError, LabkitWarning, RemoteError
-from labkit.kernel.policy import threads_per_rank
+from labkit.kernel.launch.policy import threads_per_rank
 from labkit.rank import side
 from labkit.rank.link import CtrlLink
 from labkit.wire.codec import Codec, new_key
@@ -163,7 +163,7 @@ def _press_stop_during(op, delay: float) -> None:
 
 def test_stop_pressed_at_any_moment_never_breaks_a_ctrl_link(lab):
     """Ctrl-C may come between any two Python calls of the kernel, also in the middle of
-    writing a request into a rank's link or of reading a reply (labkit.kernel.direct): a
+    writing a request into a rank's link or of reading a reply (labkit.kernel.channel.direct): a
     stream that lost or repeated a byte would make the rank leave (a restart, a new
     generation) or the kernel drop the link. 1 MiB values take many reads and writes."""
     import random

@@ -17,8 +17,8 @@ import torch
 from test_views_fakes import FakeLab
 
 import labkit
+from labkit.kernel.inspection.profiling import last_profile, profile_start, profiler_events
 from labkit.kernel.magics import LabMagics
-from labkit.kernel.profiling import last_profile, profile_start, profiler_events
 from labkit.rank.profiling import PROFILE_NAME, ProfiledCell
 from labkit.views.trace_export import chrome_trace, flow_pairs, save_trace, trace_events
 from labkit.wire.records import CommRecord, SpanRecord, to_dict

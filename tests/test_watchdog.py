@@ -3,8 +3,8 @@ healthy waits (slow ops, stragglers, stale heartbeats) that must never be taken 
 
 from __future__ import annotations
 
-from labkit.kernel import watchdog
-from labkit.kernel.watchdog import CONFIRM, LONG_GRACE, Verdict, Watchdog
+from labkit.kernel.cell import watchdog
+from labkit.kernel.cell.watchdog import CONFIRM, LONG_GRACE, Verdict, Watchdog
 
 
 def diagnose(*args, **kwargs) -> str | None:

@@ -242,7 +242,11 @@ def test_messages_are_built_through_their_definitions():
     assert not found, "build these with the TypedDicts of labkit.wire.messages:\n" + "\n".join(
         found
     )
-    for path in ("labkit/rank/worker.py", "labkit/rank/fork_server.py", "labkit/kernel/spawn.py"):
+    for path in (
+        "labkit/rank/worker.py",
+        "labkit/rank/fork_server.py",
+        "labkit/kernel/launch/spawn.py",
+    ):
         assert path in checked
 
 
@@ -298,7 +302,7 @@ def test_the_stop_board_is_private_never_goes_back_and_is_read_only_on_a_rank(tm
     ],
 )
 def test_every_backend_the_policy_chooses_starts_a_rank(world_size, device, facts):
-    from labkit.kernel.policy import choose
+    from labkit.kernel.launch.policy import choose
 
     choice = choose(world_size, "auto", device, facts)
     cfg = config(

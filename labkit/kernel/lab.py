@@ -2,10 +2,10 @@
 
 The lab is the public API (start, run, pull, push, trace, stacks, debug, restart, stop) over:
 
-- a `Channel` (labkit.kernel.channel): the sockets, the I/O thread and the one waiting loop;
-- a launcher (labkit.kernel.launcher): `ForkedRanks` forks the ranks here, `TorchrunRanks`
+- a `Channel` (labkit.kernel.channel.channel): the sockets, the I/O thread and the one waiting loop;
+- a launcher (labkit.kernel.launch.launcher): `ForkedRanks` forks the ranks here, `TorchrunRanks`
   takes ranks that torchrun started; the lab calls the same methods on either;
-- a `CellRun` per call (labkit.kernel.cell_run): watch, Stop and diagnosis of one cell.
+- a `CellRun` per call (labkit.kernel.cell.cell_run): watch, Stop and diagnosis of one cell.
 
 A cell that cannot finish (a rank stuck in a collective, a dead peer, a hung Stop) comes back
 from its `CellRun` as stuck; the lab then restarts the ranks (variables are lost, and the user
@@ -22,21 +22,21 @@ import weakref
 from collections.abc import Callable
 from typing import Any
 
-from labkit.kernel import script_run
-from labkit.kernel.attached import TorchrunRanks
-from labkit.kernel.cell_run import CellOutcome, CellRun, exec_message, recovery_note, results
-from labkit.kernel.channel import Channel, Stuck
-from labkit.kernel.debug import post_mortem
-from labkit.kernel.forked import ForkedRanks
+from labkit.kernel.cell.cell_run import CellOutcome, CellRun, exec_message, recovery_note, results
+from labkit.kernel.cell.live import ranks_info, status_report
+from labkit.kernel.cell.rank_spec import parse_ranks
+from labkit.kernel.channel.channel import Channel, Stuck
+from labkit.kernel.inspection.debug import post_mortem
+from labkit.kernel.inspection.log_dirs import new_log_dir
+from labkit.kernel.inspection.logs import read_tail
+from labkit.kernel.inspection.stacks import STACKS_TIMEOUT, RankStacks, lab_stacks
 from labkit.kernel.lab_data import DataRequests
-from labkit.kernel.launcher import RankLauncher
-from labkit.kernel.live import ranks_info, status_report
-from labkit.kernel.log_dirs import new_log_dir
-from labkit.kernel.logs import read_tail
-from labkit.kernel.policy import BACKENDS, DEVICES, check_world_size, threads_per_rank
-from labkit.kernel.rank_spec import parse_ranks
+from labkit.kernel.launch.attached import TorchrunRanks
+from labkit.kernel.launch.forked import ForkedRanks
+from labkit.kernel.launch.launcher import RankLauncher
+from labkit.kernel.launch.policy import BACKENDS, DEVICES, check_world_size, threads_per_rank
 from labkit.kernel.results import LabError, LabkitWarning, RemoteError, Results
-from labkit.kernel.stacks import STACKS_TIMEOUT, RankStacks, lab_stacks
+from labkit.kernel.script_run import load_script
 from labkit.wire.codec import Codec, new_key
 
 __all__ = ["Lab", "LabError", "LabkitWarning", "current"]
@@ -308,8 +308,10 @@ class Lab(DataRequests):
 
     def run_script(self, path: str, argv: Any = (), timeout: float | None = None) -> Results:
         """Run a torchrun script unchanged on every rank, as `__main__` with `sys.argv` set
-        (kernel side; the kernel reads the file). See labkit.kernel.script_run."""
-        return script_run.run_script(self, path, argv, timeout)
+        (kernel side; the kernel reads the file: labkit.kernel.script_run). A rank whose script
+        raised, or exited with a code other than 0, has an error in the results
+        (`results.raise_for_errors()` raises them); the values are None."""
+        return self.run(load_script(path, argv), timeout=timeout, display=False)
 
     def _call(self, msg: Any, targets: list[int], timeout: float | None) -> Results:
         """Send one request to `targets` as a new cell and wait for its results."""
@@ -339,12 +341,13 @@ class Lab(DataRequests):
             raise RemoteError(outcome.errors, note)
         raise LabError(note)
 
-    debug = post_mortem  # lab.debug(rank): pdb on the rank's last exception (kernel.debug)
+    debug = post_mortem  # lab.debug(rank): pdb on the rank's last exception (inspection.debug)
 
     # -- what the notebook shows about the ranks --------------------------------------------
     def stacks(self, ranks: Any = None, timeout: float = STACKS_TIMEOUT) -> RankStacks:
         """Each rank's Python stacks now, idle or busy, also from another thread while a cell
-        runs (labkit.kernel.stacks). A rank that is dead, or silent for `timeout` s, says so."""
+        runs (labkit.kernel.inspection.stacks). A rank that is dead, or silent for `timeout` s,
+        says so."""
         return lab_stacks(self, ranks, timeout)
 
     def log_tail(self, rank: int, lines: int = 12) -> str:

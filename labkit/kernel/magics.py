@@ -29,10 +29,10 @@ from IPython.core.magic_arguments import argument, kwds, magic_arguments
 from IPython.display import display
 
 from labkit.kernel import lab as lab_module
-from labkit.kernel.flight_recorder import LAST, flight_recorder
-from labkit.kernel.logs import read_tail
-from labkit.kernel.policy import BACKENDS, DEVICES
-from labkit.kernel.profiling import profile
+from labkit.kernel.inspection.flight_recorder import LAST, flight_recorder
+from labkit.kernel.inspection.logs import read_tail
+from labkit.kernel.inspection.profiling import profile
+from labkit.kernel.launch.policy import BACKENDS, DEVICES
 from labkit.kernel.results import RankValues
 from labkit.wire.logfile import log_path
 

@@ -6,6 +6,8 @@ file, arguments that are not a list of strings, or a syntax error are raised her
 anything is sent. Each rank then runs the script as `torchrun script.py ARGS` would
 (`labkit.rank.script.Script`): as `__main__`, with `sys.argv` and the torchrun environment;
 its `init_process_group` and `destroy_process_group` leave the lab's group for the next cell.
+`Lab.run_script` runs the `Script` that `load_script` makes; this module knows nothing of the
+lab, so the two never import each other.
 """
 
 from __future__ import annotations
@@ -13,13 +15,8 @@ from __future__ import annotations
 import os
 import tokenize
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
 
 from labkit.rank.script import Script
-
-if TYPE_CHECKING:
-    from labkit.kernel.lab import Lab
-    from labkit.kernel.results import Results
 
 EXAMPLE = "lab.run_script('examples/ddp_digits.py', ['--epochs', '1'])"
 
@@ -51,14 +48,3 @@ def load_script(path: str | os.PathLike[str], argv: Sequence[str] = ()) -> Scrip
         source = f.read()
     compile(source, full, "exec")  # a SyntaxError surfaces here, once, not once per rank
     return Script(full, source, tuple(argv))
-
-
-def run_script(
-    lab: Lab, path: str | os.PathLike[str], argv: Sequence[str] = (), timeout: float | None = None
-) -> Results:
-    """Run the script at `path` with `argv` on every rank of `lab`; returns the cell's results.
-
-    A rank whose script raised, or exited with a code other than 0, has an error in the results
-    (`results.raise_for_errors()` raises them); the values are None.
-    """
-    return lab.run(load_script(path, argv), timeout=timeout, display=False)

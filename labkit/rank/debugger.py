@@ -3,7 +3,7 @@
 A rank has no terminal, so its `pdb.Pdb` reads and writes through the rank's ctrl socket (the
 main thread's, as every request's): whenever pdb wants a line, the rank sends what pdb wrote so
 far and its prompt (`DebugPrompt`) and waits for the line the user typed (`DebugInput`); the
-kernel (labkit.kernel.debug) shows the output and reads the line with `input()`, which a
+kernel (labkit.kernel.inspection.debug) shows the output and reads the line with `input()`, which a
 notebook shows as an input box. The session ends when pdb does (`c`, `q`), when the kernel
 sends no line (`line` None: it has no input box to ask in), or when Stop is latched for it.
 

@@ -29,7 +29,9 @@ from labkit.rank import torch_compat
 BUFFER = "200"
 ENV = "TORCH_FR_BUFFER_SIZE"
 TAIL = 4  # entries a rank's stacks show
-HEADER = "Flight Recorder (torch)"  # the line the kernel finds them by (labkit.kernel.stacks)
+HEADER = (
+    "Flight Recorder (torch)"  # the line the kernel finds them by (labkit.kernel.inspection.stacks)
+)
 # gloo retires an entry on its own thread a moment after `wait()` has returned (a dump read at
 # once often still finds it open, even on an idle machine), so a dump between cells waits up to
 # this long for the entries it shows to be retired; one that stays open is shown as it is

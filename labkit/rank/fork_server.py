@@ -78,6 +78,7 @@ def facts() -> ServerHello:
 class Server:
     def __init__(self, parent: int) -> None:
         self.parent = parent  # the kernel
+        self.log_path: str | None = None  # where the kernel sends this process's stderr
         self.children: dict[int, int] = {}  # pid -> rank
         self.shm_dirs: set[str] = set()  # the labs' shared-memory directories, removed at exit
         # the labs' private socket directories (ctrl, side, the Stop board): their kernel
@@ -96,13 +97,18 @@ class Server:
 
     def leave(self, kernel_gone: bool = False) -> None:
         """Kill the ranks, remove the labs' shared-memory segments (and, `kernel_gone`, their
-        socket directories, which a live kernel removes itself), and exit."""
+        socket directories and this server's log, which a live kernel removes itself), and exit."""
         self.kill(list(self.children), signal.SIGKILL)
         for directory in self.shm_dirs:
             shm.remove(directory)
         if kernel_gone:
             for directory in self.sock_dirs:
                 shutil.rmtree(directory, ignore_errors=True)
+            if self.log_path:  # this server's own log: nobody is left to read it
+                try:
+                    os.unlink(self.log_path)
+                except OSError:
+                    pass
         os._exit(0)
 
     def say(self, msg: ServerToKernel) -> None:
@@ -281,6 +287,7 @@ def main() -> None:
     die_with_parent(parent, signal.SIGTERM)  # handled: its ranks and segments go with it
     os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # count GPUs without initialising CUDA
     server = Server(parent)
+    server.log_path = sys.argv[2] if len(sys.argv) > 2 else None
     import torch  # noqa: F401 - the point of this process: import once, fork many times
     import torch.distributed  # noqa: F401
 

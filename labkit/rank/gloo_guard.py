@@ -4,7 +4,7 @@ gloo's `send`/`recv` (and `isend`/`irecv`, and `batch_isend_irecv`, which calls 
 tensor's address to gloo's TCP transport, which reads and writes host memory only. A CUDA
 tensor's address is on the GPU: the transport fails (`writev ... Bad address`), often on one of
 gloo's own threads, which aborts the rank, and its peer then waits on a connection that closed.
-Ranks share a GPU over gloo (labkit.kernel.policy: more ranks than GPUs, `device="cuda"`), so
+Ranks share a GPU over gloo (labkit.kernel.launch.policy: more ranks than GPUs, `device="cuda"`), so
 `refuse_cuda_over_gloo` turns that call into a RuntimeError on the rank that made it, saying what
 to do, before gloo sees it. labkit.rank.dist_tracing calls it for these ops, tracing on or off.
 Seen on an H200 with torch 2.11 (README, "GPU runs on record").

@@ -4,7 +4,7 @@
 `labkit.rank.script.Script`. Each rank runs the code as a `%%ranks` cell runs (in its
 persistent namespace, the last expression's value coming back) inside `torch.profiler.profile`
 (CPU, and CUDA when the rank's device is a GPU), then keeps the profiler's events in its
-namespace under `PROFILE_NAME` for the kernel to pull (`labkit.kernel.profiling`), so the
+namespace under `PROFILE_NAME` for the kernel to pull (`labkit.kernel.inspection.profiling`), so the
 cell's value and the lab's trace of it stay what they would be without the profiler.
 
 The events are the profiler's own Chrome trace (`export_chrome_trace`): `ts` in microseconds

@@ -93,7 +93,7 @@ def scaling(n: int, reps: int) -> dict[str, float]:
     import torch
 
     import labkit
-    from labkit.kernel import spawn
+    from labkit.kernel.launch import spawn
 
     spawn.prewarm()
     spawn._spare.wait_facts()  # type: ignore[union-attr]

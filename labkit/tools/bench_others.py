@@ -4,7 +4,7 @@
   (gloo, the thread budget labkit gives its ranks), timed inside the processes: the floor of a
   collective cell, measured in blocks interleaved with labkit's (`bench_labkit.collective`);
 - `EchoGroup`, `raw_roundtrip`: an empty message to `n` idle plain Python processes and back,
-  over the same sockets as a forked lab's ctrl links (labkit.kernel.direct and
+  over the same sockets as a forked lab's ctrl links (labkit.kernel.channel.direct and
   labkit.rank.link, with no signing, no pickling and no torch): the floor of a no-op cell once
   the processes have gone idle (`bench_kernel` also times it from a kernel cell);
 - `ipyparallel_cells`: ipyparallel's engines doing the same work from the same process
@@ -26,7 +26,7 @@ import textwrap
 import time
 from typing import Any
 
-from labkit.kernel.policy import threads_per_rank
+from labkit.kernel.launch.policy import threads_per_rank
 
 NUMEL = 1 << 20  # a 1M-float (4 MiB) all_reduce
 
@@ -130,14 +130,14 @@ ECHO = textwrap.dedent("""
 
 class EchoGroup:
     """`n` idle plain Python processes that echo each message over the same sockets as a
-    forked lab's ctrl links (labkit.kernel.direct and labkit.rank.link): no torch, no signing,
-    no pickling, no Python work per message beyond the framing's. `roundtrip()` sends an empty
-    message to each and waits for every echo: the floor of a no-op cell on `n` processes.
+    forked lab's ctrl links (labkit.kernel.channel.direct and labkit.rank.link): no torch, no
+    signing, no pickling, no Python work per message beyond the framing's. `roundtrip()` sends an
+    empty message to each and waits for every echo: the floor of a no-op cell on `n` processes.
     `close()` (or `with`) ends them and waits for them; a process whose link closes (the
     process that holds the group died) leaves by itself."""
 
     def __init__(self, n: int):
-        from labkit.kernel.direct import DirectRouter
+        from labkit.kernel.channel.direct import DirectRouter
 
         self.tmp = tempfile.mkdtemp(prefix="labkit-bench-")
         self.router = DirectRouter(os.path.join(self.tmp, "echo"))

@@ -152,8 +152,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def doctor() -> dict[str, Any]:
-    from labkit.kernel import spawn
-    from labkit.kernel.policy import choose
+    from labkit.kernel.launch import spawn
+    from labkit.kernel.launch.policy import choose
 
     server = spawn.take()
     try:

@@ -20,7 +20,7 @@ kernel's clock, so ranks line up) as a Chrome Trace Event file:
 rank, world_size and the groups seen) as torch.profiler writes it, which is what Holistic
 Trace Analysis reads to know a file's rank. Those files carry no flows (a flow needs both ranks).
 A path ending in `.gz` is written gzip-compressed (Perfetto and HTA read it). The operators of a
-cell run under torch.profiler (`labkit.kernel.profiling`) join their rank's process.
+cell run under torch.profiler (`labkit.kernel.inspection.profiling`) join their rank's process.
 """
 
 from __future__ import annotations
@@ -243,11 +243,11 @@ def chrome_trace(
 ) -> dict[str, Any]:
     """The trace document: every rank with flows, or (`rank` given) that rank's file for HTA.
 
-    `profile` is {rank: its torch.profiler events} (`labkit.kernel.profiling.Profile`),
+    `profile` is {rank: its torch.profiler events} (`labkit.kernel.inspection.profiling.Profile`),
     merged under each rank's process.
     """
     from labkit import __version__
-    from labkit.kernel.profiling import profile_start, profiler_events
+    from labkit.kernel.inspection.profiling import profile_start, profiler_events
 
     profile = profile or {}
     if world_size is None:  # the highest rank seen, in a record or in a group
@@ -311,7 +311,7 @@ def _rank_paths(path: str, ranks: list[int]) -> dict[int, Path]:
 def _profile_of(lab: Any, records: list[Record], cell: int | None) -> dict[int, Any] | None:
     """The lab's last torch.profiler profile when it is of the cell being saved: `cell`, or
     the traced cell, or (no records in the last cell) the profiled one."""
-    from labkit.kernel.profiling import last_profile
+    from labkit.kernel.inspection.profiling import last_profile
 
     kept = last_profile(lab)
     if kept is None:

@@ -3,7 +3,7 @@
 ZeroMQ hands every message to an I/O thread of its own on each side, so a request and its reply
 wake four threads besides the two that send and read them. A forked rank's ctrl link is a plain
 Unix stream socket instead: the kernel writes a request straight into the rank's socket, and the
-rank's main thread, blocked in `recv`, is the one that wakes (labkit.kernel.direct is the
+rank's main thread, blocked in `recv`, is the one that wakes (labkit.kernel.channel.direct is the
 kernel's end, labkit.rank.link the rank's). Ranks attached over TCP keep ZeroMQ.
 
 A message is a list of frames (what `labkit.wire.codec.Codec.encode` returns), sent as
@@ -17,8 +17,8 @@ the rest.
 A stream must never lose a byte: a KeyboardInterrupt raised after `recv` returned and before
 its bytes were kept would lose them, and every message after them. So neither class may be
 interrupted between a read or write and its bookkeeping: the kernel holds SIGINT back around
-them (labkit.kernel.sigint.uninterrupted), and a rank reads and writes its link only where its
-SIGINT handler does not raise (outside user code).
+them (labkit.kernel.channel.sigint.uninterrupted), and a rank reads and writes its link only where
+its SIGINT handler does not raise (outside user code).
 """
 
 from __future__ import annotations

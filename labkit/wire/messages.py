@@ -277,7 +277,7 @@ class Stacks(FromRank):
     where: str | None  # the main thread's cell line ("line 3: time.sleep(60)"), if any
 
 
-# -- the debugger: kernel <-> rank, ctrl socket (labkit.rank.debugger, labkit.kernel.debug) ------
+# -- the debugger: kernel <-> rank, ctrl socket (labkit.rank.debugger, kernel.inspection.debug) --
 
 
 class Debug(TypedDict):

@@ -2,9 +2,9 @@
 
 - `ctrl` is used only by the thread that calls the lab: requests out, replies in. Forked ranks'
   ctrl links are plain Unix stream sockets, written and read by that thread itself
-  (labkit.kernel.direct: no I/O thread between a request and its rank); ranks started by
+  (labkit.kernel.channel.direct: no I/O thread between a request and its rank); ranks started by
   torchrun connect to a ZeroMQ ROUTER over TCP.
-- `side` (ZeroMQ) is read by the `labkit-io` thread (labkit.kernel.side_io): output lines,
+- `side` (ZeroMQ) is read by the `labkit-io` thread (labkit.kernel.channel.side_io): output lines,
   heartbeats, answers to `ask_stacks`; Stop, `leave` and `ask_stacks` go out on it.
 
 Forked ranks connect over Unix sockets in a private 0700 directory; ranks started by torchrun
@@ -42,13 +42,13 @@ from typing import Any
 
 import zmq
 
-from labkit.kernel.admission import Admission
-from labkit.kernel.direct import DirectRouter
-from labkit.kernel.logs import read_tail
-from labkit.kernel.output import RankOutput
+from labkit.kernel.channel.admission import Admission
+from labkit.kernel.channel.direct import DirectRouter
+from labkit.kernel.channel.output import RankOutput
+from labkit.kernel.channel.side_io import SideIO
+from labkit.kernel.channel.sigint import uninterrupted
+from labkit.kernel.inspection.logs import read_tail
 from labkit.kernel.results import LabError, LabkitWarning
-from labkit.kernel.side_io import SideIO
-from labkit.kernel.sigint import uninterrupted
 from labkit.wire import framed, shm
 from labkit.wire.codec import AuthenticationError, Codec
 from labkit.wire.messages import Done, KernelToRank
@@ -225,7 +225,7 @@ class Channel(Admission, SideIO):
 
         Raises `Stuck` past `deadline` or when a rank dies, and `LabError` for a rank that could
         not start (`fatal`); `watch(pending)` runs between polls; `on_other(msg)` gets the
-        other messages (a debugger's prompt: labkit.kernel.debug).
+        other messages (a debugger's prompt: labkit.kernel.inspection.debug).
         """
         replies = {} if replies is None else replies
         pending = set(pending) - set(replies)

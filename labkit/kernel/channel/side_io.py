@@ -1,9 +1,10 @@
 """The kernel's side channel: its I/O thread, and what goes out on `side` (kernel side).
 
-A mixin of `Channel` (labkit.kernel.channel). The `labkit-io` thread reads every rank's `side`
-socket: output lines are queued for the caller to print (`events`), heartbeats update each
+A mixin of `Channel` (labkit.kernel.channel.channel). The `labkit-io` thread reads every rank's
+`side` socket: output lines are queued for the caller to print (`events`), heartbeats update each
 rank's `status` (the line it runs, the comm op it is inside), answers to `ask_stacks` are kept in
-`stacks` (any thread may ask: labkit.kernel.stacks). What the kernel sends on `side` (Stop,
+`stacks` (any thread may ask: labkit.kernel.inspection.stacks).
+What the kernel sends on `side` (Stop,
 `leave`, `ask_stacks`) is queued and sent by that thread once the rank's first heartbeat has
 shown its route, so the rank's heartbeat thread reads it even while its user code runs.
 """

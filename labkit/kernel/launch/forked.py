@@ -1,6 +1,6 @@
 """Ranks forked on this machine by a fork server (kernel side).
 
-The fork server (labkit.rank.fork_server, driven through labkit.kernel.spawn) has torch
+The fork server (labkit.rank.fork_server, driven through labkit.kernel.launch.spawn) has torch
 imported already, so a start or restart costs a fork. Rank 0 binds the rendezvous store on
 port 0 and says the port in its `hello`; the kernel hands it to every rank in `init`.
 labkit owns these processes: Stop is a message the rank latches, a stuck cell is recovered by
@@ -12,10 +12,10 @@ from __future__ import annotations
 import signal
 import time
 
-from labkit.kernel import spawn
-from labkit.kernel.channel import Channel
-from labkit.kernel.launcher import RankLauncher
-from labkit.kernel.policy import Choice, choose, default_device, threads_per_rank
+from labkit.kernel.channel.channel import Channel
+from labkit.kernel.launch import spawn
+from labkit.kernel.launch.launcher import RankLauncher
+from labkit.kernel.launch.policy import Choice, choose, default_device, threads_per_rank
 from labkit.wire.config import RankConfig
 from labkit.wire.messages import Init
 

@@ -24,10 +24,10 @@ import socket
 import time
 from typing import Any
 
-from labkit.kernel.admission import parse_allow
-from labkit.kernel.channel import Channel, Stuck
-from labkit.kernel.launcher import RankLauncher
-from labkit.kernel.policy import Choice, choose, default_device
+from labkit.kernel.channel.admission import parse_allow
+from labkit.kernel.channel.channel import Channel, Stuck
+from labkit.kernel.launch.launcher import RankLauncher
+from labkit.kernel.launch.policy import Choice, choose, default_device
 from labkit.kernel.results import LabError
 from labkit.wire.key_file import write_key_file
 from labkit.wire.messages import Exit, Init, Leave, Welcome

@@ -1,6 +1,6 @@
 """Who may talk to a lab over TCP, and which `attach` is welcome (kernel side).
 
-A mixin of `Channel` (labkit.kernel.channel). Every rank's replies are taken only from the
+A mixin of `Channel` (labkit.kernel.channel.channel). Every rank's replies are taken only from the
 route (ZeroMQ connection) its signed `hello` or `attach` came over (`_from_its_route`). For
 ranks started by torchrun, also:
 
@@ -60,7 +60,7 @@ class Admission:
     rejected: int
     routes: dict[int, bytes]
     codec: Any
-    ctrl: Any  # a ZeroMQ ROUTER, or a DirectRouter (labkit.kernel.direct)
+    ctrl: Any  # a ZeroMQ ROUTER, or a DirectRouter (labkit.kernel.channel.direct)
     _post: Callable[..., None]  # SideIO's
 
     def _from_its_route(self, msg: dict[str, Any], ident: bytes) -> bool:

@@ -9,7 +9,7 @@ another thread changes nothing.
 The holding is done by one handler, `_catch`, put in place by the outermost block. A cell
 enters a block for each send and each reading of replies, and each change of handler is a
 system call (`rt_sigaction`): 15 of a 4-rank no-op cell's 33 system calls when every block did
-it. So `armed()` keeps `_catch` in place for a whole cell (labkit.kernel.cell_run), and the
+it. So `armed()` keeps `_catch` in place for a whole cell (labkit.kernel.cell.cell_run), and the
 blocks inside only count. Between blocks `_catch` passes Ctrl-C on at once.
 
 `_signal.signal` is `signal.signal` without its enum conversions (10x cheaper).

@@ -20,8 +20,8 @@ import sys
 import time
 from typing import Any
 
+from labkit.kernel.cell.watchdog import op_text
 from labkit.kernel.results import CellState
-from labkit.kernel.watchdog import op_text
 
 SHOW_AFTER = 1.0
 REFRESH = 0.25

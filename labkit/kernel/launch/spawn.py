@@ -14,12 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
 
 import labkit
+from labkit.kernel.inspection import log_dirs
 from labkit.wire.config import RankConfig
 from labkit.wire.messages import (
     ExitCommand,
@@ -36,12 +36,10 @@ class ForkServer:
         root = os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
-        self.log_path = os.path.join(
-            tempfile.gettempdir(), f"labkit-fs-{os.getpid()}-{id(self)}.log"
-        )
+        self.log_path = log_dirs.fork_server_log()
         self.log = open(self.log_path, "ab")
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "labkit.rank.fork_server", str(os.getpid())],
+            [sys.executable, "-m", "labkit.rank.fork_server", str(os.getpid()), self.log_path],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self.log,

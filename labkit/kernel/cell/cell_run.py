@@ -7,10 +7,10 @@ launcher, which latches it on the rank (a cell not started yet does not start), 
 every `RESEND_S` and gives the ranks `STOP_GRACE` seconds; a second Stop gives up at once. A
 rank that has not taken the cell `ACK_S` after it was sent, while its heartbeats say it is
 alive, makes the cell stuck too (its request was lost). Stop and a stuck verdict also ask the
-running ranks for their Python stacks (labkit.kernel.stacks; Stop asks before it interrupts, so
-the stacks show where each rank was), waiting at most `STUCK_WAIT_S` for them: the outcome's
-`stacks` and a stopped rank's KeyboardInterrupt say where each rank was. A cell that cannot
-finish is not repaired here: `run()` returns an outcome whose `stuck` says why, and the lab
+running ranks for their Python stacks (labkit.kernel.inspection.stacks; Stop asks before it
+interrupts, so the stacks show where each rank was), waiting at most `STUCK_WAIT_S` for them: the
+outcome's `stacks` and a stopped rank's KeyboardInterrupt say where each rank was. A cell that
+cannot finish is not repaired here: `run()` returns an outcome whose `stuck` says why, and the lab
 decides what recovery means for its ranks (a restart, or a lab marked unusable for ranks it
 cannot restart).
 """
@@ -26,14 +26,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from labkit.kernel.channel import Channel, Stuck
-from labkit.kernel.debug import DebugFrontend
-from labkit.kernel.launcher import RankLauncher
-from labkit.kernel.live import LiveStatus
+from labkit.kernel.cell.live import LiveStatus
+from labkit.kernel.cell.watchdog import Watchdog, diagnose, op_text
+from labkit.kernel.channel.channel import Channel, Stuck
+from labkit.kernel.channel.sigint import armed
+from labkit.kernel.inspection.debug import DebugFrontend
+from labkit.kernel.inspection.stacks import STUCK_WAIT_S, collect, gather, stuck_text
+from labkit.kernel.launch.launcher import RankLauncher
 from labkit.kernel.results import CellState, LabkitWarning, RankResult, Results
-from labkit.kernel.sigint import armed
-from labkit.kernel.stacks import STUCK_WAIT_S, collect, gather, stuck_text
-from labkit.kernel.watchdog import Watchdog, diagnose, op_text
 from labkit.wire.messages import Exec, KernelToRank
 
 STOP_GRACE = 3.0  # seconds ranks get to stop after Stop before the cell counts as stuck

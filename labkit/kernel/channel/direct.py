@@ -1,10 +1,10 @@
 """The kernel's end of forked ranks' ctrl links: one listening Unix socket (kernel side).
 
-`DirectRouter` stands where a ZeroMQ ROUTER stood, with the calls `labkit.kernel.channel` makes
-of one: `send_multipart([route, *frames])`, `poll`, `recv_multipart() -> [route, *frames]`, and
-`fileno()` to wait on beside other sockets. Each rank connects once (labkit.wire.framed); the
-route of a connection is a name the router gives it, which the channel ties to a rank only when
-a signed `hello` comes over it, as it did ZeroMQ's routing ids.
+`DirectRouter` stands where a ZeroMQ ROUTER stood, with the calls `labkit.kernel.channel.channel`
+makes of one: `send_multipart([route, *frames])`, `poll`, `recv_multipart() -> [route, *frames]`,
+and `fileno()` to wait on beside other sockets. Each rank connects once (labkit.wire.framed); the
+route of a connection is a name the router gives it, which the channel ties to a rank only when a
+signed `hello` comes over it, as it did ZeroMQ's routing ids.
 
 Everything runs on the thread that calls it, with no thread of its own: a request is written
 into the rank's socket by the call that sends it, and a reply is read by the call that waits
@@ -15,7 +15,8 @@ readable when any of them has something to do.
 
 The thread that calls a lab is the one Ctrl-C (Stop) interrupts, and a stream must not lose a
 byte (labkit.wire.framed): each send, and each turn of reads, runs `uninterrupted`
-(labkit.kernel.sigint), which holds SIGINT back for its microseconds and raises it right after.
+(labkit.kernel.channel.sigint), which holds SIGINT back for its microseconds and raises it right
+after.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import time
 from collections import deque
 from typing import Any
 
-from labkit.kernel.sigint import uninterrupted
+from labkit.kernel.channel.sigint import uninterrupted
 from labkit.wire.framed import SCHEME, Inbox, LinkBroken, Outbox
 
 READS_PER_TURN = 64  # reads of one link per wake-up (up to 16 MiB); SIGINT waits for them

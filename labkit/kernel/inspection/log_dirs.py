@@ -6,7 +6,9 @@ or another user's). The logs outlive the lab, so `%lab logs` and a post-mortem s
 but not forever: each new lab first removes the oldest directories of labs whose kernel has
 exited, keeping at most `KEEP_LABS` of them and at most `KEEP_BYTES` in all. A directory of a
 kernel that still runs is never removed. `Lab(log_dir=...)` puts one lab's logs elsewhere, and
-nothing prunes that.
+nothing prunes that. A fork server's own log (what it printed while starting, quoted when it
+fails) lies beside them as `forkserver-pid<kernel>-*.log`, removed when the server closes, or
+by the next lab's pruning once its kernel has exited.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import time
 ENV = "LABKIT_LOG_DIR"
 KEEP_LABS = 20  # directories of exited kernels' labs kept, newest first
 KEEP_BYTES = 100 << 20  # and at most this much of them in all
+FORK_SERVER_LOG = "forkserver-"  # the name's start of a fork server's log file
 
 
 def log_root() -> str:
@@ -80,6 +83,12 @@ def prune(root: str, keep: int = KEEP_LABS, keep_bytes: int = KEEP_BYTES) -> lis
     dead = []
     for name in names:
         path = os.path.join(root, name)
+        if name.startswith(FORK_SERVER_LOG) and not _alive(_kernel_pid(name)):
+            try:  # a killed kernel's fork server never closed: nobody reads its log now
+                os.unlink(path)
+            except OSError:
+                pass
+            continue
         if os.path.isdir(path) and not os.path.islink(path) and not _alive(_kernel_pid(name)):
             try:
                 dead.append((os.stat(path).st_mtime, path))
@@ -93,6 +102,17 @@ def prune(root: str, keep: int = KEEP_LABS, keep_bytes: int = KEEP_BYTES) -> lis
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
+
+
+def fork_server_log() -> str:
+    """A new, empty file for a fork server's output, under `log_root()`."""
+    root = log_root()
+    _own_private_dir(root)
+    fd, path = tempfile.mkstemp(
+        prefix=f"{FORK_SERVER_LOG}pid{os.getpid()}-", suffix=".log", dir=root
+    )
+    os.close(fd)
+    return path
 
 
 def new_log_dir() -> str:

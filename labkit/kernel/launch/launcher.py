@@ -1,7 +1,7 @@
 """One interface for the ways a lab's ranks come to exist (kernel side).
 
-`ForkedRanks` (labkit.kernel.forked) forks them from a fork server on this machine;
-`TorchrunRanks` (labkit.kernel.attached) waits for ranks that torchrun started, here or on a
+`ForkedRanks` (labkit.kernel.launch.forked) forks them from a fork server on this machine;
+`TorchrunRanks` (labkit.kernel.launch.attached) waits for ranks that torchrun started, here or on a
 cluster, to attach. The lab calls only the methods below, so what differs between the two
 lives in the two classes, not in branches of the lab.
 """
@@ -11,8 +11,8 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 
-from labkit.kernel.channel import Channel
-from labkit.kernel.policy import Choice
+from labkit.kernel.channel.channel import Channel
+from labkit.kernel.launch.policy import Choice
 from labkit.wire.messages import Ping
 
 

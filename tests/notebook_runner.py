@@ -1,0 +1,46 @@
+"""Runs notebooks a few at a time in a process of its own, beside the rest of the suite (test
+harness; `python notebook_runner.py OUT.json JOBS PATH...`).
+
+The suite starts it when its first test starts (conftest's `notebook_batch`), so the notebooks,
+which mostly wait (kernels and ranks starting, collectives waiting for peers), run while the
+other tests do; tests/test_notebooks.py reads OUT.json at the end. This process adopts the
+orphans of its descendants (a rank whose kernel died), and before it writes OUT.json it waits
+for every process the notebooks started, ending and naming any that is left.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing.resource_tracker
+import os
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from processes import become_subreaper, descendants, describe, end, wait_gone
+
+from labkit.tools.cli import run_notebook
+
+
+def main(out: str, jobs: int, paths: list[str]) -> None:
+    become_subreaper()
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(jobs) as pool:
+        runs = list(pool.map(lambda p: run_notebook(p, timeout=600), paths))
+    tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
+    left = wait_gone({k for k in descendants(os.getpid()) if k[0] != tracker}, 5.0)
+    named = describe(left) if left else ""
+    end(left)
+    result = {
+        "wall": time.perf_counter() - t0,
+        "jobs": jobs,
+        "runs": {p: list(r) for p, r in zip(paths, runs)},
+        "left": named,
+    }
+    with open(out + ".part", "w") as f:
+        json.dump(result, f)
+    os.replace(out + ".part", out)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), sys.argv[3:])
