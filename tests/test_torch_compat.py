@@ -107,6 +107,7 @@ def test_renames_provide_only_the_two_names(monkeypatch: pytest.MonkeyPatch) -> 
     assert "dist.reduce_scatter_single (torch's reduce_scatter_tensor)" in note
 
 
+@pytest.mark.filterwarnings("ignore:Warning. Profiler clears events:UserWarning")  # torch 2.11's
 def test_the_profiler_event_tree_missing_is_said() -> None:
     from labkit.parallel import zero_redundancy
 
