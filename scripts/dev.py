@@ -136,18 +136,23 @@ def ensure_torch(version: str) -> str:
     """`.torch/VERSION` holding torch==VERSION alone (plus, for a CUDA build, the nvidia-*
     packages it needs to import); returns the folder to put first on PYTHONPATH."""
     where = os.path.join(ROOT, ".torch", version)
-    probe = [PY, "-c", "import torch; print(torch.__version__.split('+')[0])"]
-    if (
-        subprocess.run(probe, capture_output=True, text=True, env=with_path(where)).stdout.strip()
-        == version
-    ):
+    if torch_at(where) == version:
         return where
     shutil.rmtree(where, ignore_errors=True)
     pip = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", where]
     sh(*pip, "--no-deps", *index_args(), f"torch=={version}")
-    if subprocess.run(probe, capture_output=True, env=with_path(where)).returncode != 0:
-        sh(*pip, "--upgrade", *index_args(), f"torch=={version}")  # CUDA's libraries too
+    if torch_at(where) is None:  # a CUDA build does not import without its libraries
+        sh(*pip, "--upgrade", *index_args(), f"torch=={version}")
     return where
+
+
+def torch_at(where: str) -> str | None:
+    """The version of the torch in `where` (without its local part), None when none imports
+    from there."""
+    probe = [PY, "-c", "import torch; print(torch.__version__.split('+')[0], torch.__file__)"]
+    out = subprocess.run(probe, capture_output=True, text=True, env=with_path(where)).stdout.split()
+    inside = len(out) == 2 and out[1].startswith(os.path.join(where, ""))
+    return out[0] if inside else None
 
 
 def run_range(rest: list[str]) -> int:

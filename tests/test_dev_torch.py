@@ -98,3 +98,19 @@ def test_the_range_is_pyprojects_and_torch_compats() -> None:
     assert (oldest.removesuffix(".0"), newest) == torch_compat.TESTED
     for test in dev.RANGE_TESTS:
         assert os.path.exists(os.path.join(ROOT, test.split("::")[0])), test
+
+
+def test_range_installs_torch_alone_then_its_libraries_only_if_needed(dev, monkeypatch) -> None:
+    """ensure_torch: kept when .torch/VERSION has it; else torch alone (--no-deps: a CPU build
+    imports with .venv's packages), then its dependencies only when it does not import."""
+    where = os.path.join(dev.ROOT, ".torch", "2.11.0")
+    answers = iter(["2.11.0"])
+    monkeypatch.setattr(dev, "torch_at", lambda w: next(answers))
+    assert dev.ensure_torch("2.11.0") == where and dev.ran == []
+    monkeypatch.setattr(dev.shutil, "rmtree", lambda *a, **k: None)
+    for imports, installs in ((True, 1), (False, 2)):
+        dev.ran.clear()
+        answers = iter([None, "2.11.0" if imports else None])
+        dev.ensure_torch("2.11.0")
+        assert len(dev.ran) == installs and all("--target" in c for c in dev.ran)
+        assert "--no-deps" in dev.ran[0] and dev.ran[-1][-1] == "torch==2.11.0"
