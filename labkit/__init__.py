@@ -71,7 +71,9 @@ def __getattr__(name: str) -> Any:
 
 
 def load_ipython_extension(ipython: Any) -> None:
-    """`%load_ext labkit`: add the `%lab` and `%%ranks` magics, then `prewarm()` (kernel side)."""
+    """`%load_ext labkit`: add the `%lab` and `%%ranks` magics, then `prewarm()` (kernel side).
+
+    IPython calls it; the example is the cell ``%load_ext labkit``, then ``%lab start 4``."""
     from labkit.kernel.magics import load
 
     load(ipython)
@@ -83,6 +85,7 @@ def prewarm() -> None:
 
     `%load_ext labkit` calls it; call it yourself when you use the Python API without the
     magics. LABKIT_PREWARM=0 turns it off (a benchmark measuring a cold start sets it).
+    Example: ``labkit.prewarm()`` at the top of a script, then ``labkit.Lab(4)`` later.
     """
     if os.environ.get("LABKIT_PREWARM", "1") != "0":
         from labkit.kernel.launch import spawn

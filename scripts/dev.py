@@ -1,12 +1,14 @@
-"""Set-up and entry points for people and CI: `python3 scripts/dev.py lab|test|bench|check|range`.
+"""Set-up and entry points for people and CI: `python3 scripts/dev.py COMMAND` (below).
 
 Creates `.venv` beside this repository (if missing), installs torch first and then labkit with
-its test extras in editable mode, then runs the command:
+its test extras in editable mode, then runs the command (lab, test, bench, check, docs, range):
 
 - lab:   JupyterLab on notebooks/ (http://127.0.0.1:8888)
 - test:  the test suite (installs Debian's chromium and Slurm for their tests when it can)
 - bench: the performance benchmark (python -m labkit.tools.bench)
 - check: every notebook top to bottom (labkit check)
+- docs:  the course site into build/site/ (scripts/build_site.py), from the notebooks that
+         `test` and `check` executed and saved in build/executed/ ($LABKIT_EXECUTED_DIR); offline
 - range: the torch-range subset (`RANGE_TESTS`) on the oldest and the newest torch of the tested
   range (`RANGE`), each installed alone in `.torch/VERSION` and put ahead of .venv's torch with
   PYTHONPATH; `range oldest` or `range newest` runs one end. Other arguments go to pytest.
@@ -172,6 +174,8 @@ def main() -> int:
     rest = sys.argv[2:]
     ensure_env()
     os.chdir(ROOT)
+    # the notebooks that `test` and `check` execute are saved here, for `docs` to render
+    os.environ.setdefault("LABKIT_EXECUTED_DIR", os.path.join(ROOT, "build", "executed"))
     if cmd == "lab":  # become the lab, so Ctrl-C or a container's stop reaches Jupyter
         sys.stdout.flush()
         os.execv(PY, [PY, "-m", "labkit", "lab", *rest])
@@ -182,6 +186,8 @@ def main() -> int:
         return subprocess.call([PY, "-m", "labkit.tools.bench", *rest])
     if cmd == "check":
         return subprocess.call([PY, "-m", "labkit", "check", *rest])
+    if cmd == "docs":
+        return subprocess.call([PY, os.path.join(ROOT, "scripts", "build_site.py"), *rest])
     if cmd == "range":
         return run_range(rest)
     print(__doc__, file=sys.stderr)

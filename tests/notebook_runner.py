@@ -3,9 +3,11 @@ harness; `python notebook_runner.py OUT.json JOBS PATH...`).
 
 The suite starts it when its first test starts (conftest's `notebook_batch`), so the notebooks,
 which mostly wait (kernels and ranks starting, collectives waiting for peers), run while the
-other tests do; tests/test_notebooks.py reads OUT.json at the end. This process adopts the
-orphans of its descendants (a rank whose kernel died), and before it writes OUT.json it waits
-for every process the notebooks started, ending and naming any that is left.
+other tests do, at a lower CPU priority (nice 10): they fill the gaps the other tests leave
+rather than slowing the tests that time Stop and watchdogs; tests/test_notebooks.py reads
+OUT.json at the end. This process adopts the orphans of its descendants (a rank whose kernel
+died), and before it writes OUT.json it waits for every process the notebooks started, ending
+and naming any that is left.
 """
 
 from __future__ import annotations
@@ -21,12 +23,19 @@ from processes import become_subreaper, descendants, describe, end, wait_gone
 
 from labkit.tools.cli import run_notebook
 
+# where each notebook that passed is saved, executed, for the course site (tests/test_notebooks.py)
+SAVE_DIR = os.environ.get("LABKIT_EXECUTED_DIR") or None
+
+
+NICE = 10  # the notebooks yield the CPU to the other tests, whose timing matters more
+
 
 def main(out: str, jobs: int, paths: list[str]) -> None:
     become_subreaper()
+    os.nice(NICE)  # inherited by the kernels and ranks the notebooks start
     t0 = time.perf_counter()
     with ThreadPoolExecutor(jobs) as pool:
-        runs = list(pool.map(lambda p: run_notebook(p, timeout=600), paths))
+        runs = list(pool.map(lambda p: run_notebook(p, 600, SAVE_DIR), paths))
     tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
     left = wait_gone({k for k in descendants(os.getpid()) if k[0] != tracker}, 5.0)
     named = describe(left) if left else ""

@@ -1,6 +1,7 @@
 """A cell never freezes the notebook: stuck collectives, dead ranks, Stop, kernel death."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -90,8 +91,13 @@ def test_stop_during_blocked_collective_recovers(lab):
     with pytest.raises((LabError, RemoteError)) as info:
         # both ranks wait to receive from each other: only Stop (or the watchdog) ends it
         lab.run("t = torch.zeros(1)\nif rank < 2:\n    dist.recv(t, src=1 - rank)\n", ranks="0,1")
-    assert time.monotonic() - t0 < 10
-    assert "variables on the ranks were lost" in str(info.value)
+    took = time.monotonic() - t0
+    text = str(info.value)
+    assert text.startswith("Stop was pressed") and "variables on the ranks were lost" in text
+    # Stop ended it, not a timeout: the cell stopped within seconds; the ranks' restart after it
+    # (forking 4 ranks, forming a gloo group) took up to 20 s on a saturated 2-core machine
+    stopped = float(re.search(r"stopped the cell after ([0-9.]+) s", text).group(1))
+    assert stopped < 10 and took < 60, (stopped, took)
     _usable(lab)
 
 

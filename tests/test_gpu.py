@@ -1,7 +1,7 @@
 """On a GPU machine: the device policy's choices hold up on real ranks (`pytest -m gpu`).
 
 Skipped with the reason wherever torch sees no GPU (CI, the workshop's laptops). They ran on a GPU
-once, on 2026-11-26 (README, "GPU runs on record"): a failure here is news, not a known state.
+once, on 2026-11-26 (docs/gpu.md, "GPU runs on record"): a failure here is news, not a known state.
 """
 
 from __future__ import annotations

@@ -375,10 +375,9 @@ CITED_MODULE = re.compile(r"(?<![\w/.])(labkit/[\w/]+\.py)\b")
 
 
 def test_every_cited_labkit_module_is_in_the_repo() -> None:
-    # what a reader follows: the code's docstrings and comments, the notebooks, docs/ (the
-    # README is left out while issue 36 rewrites it; its paths move to docs/ with its text)
+    # what a reader follows: the code's docstrings and comments, the notebooks, docs/, README
     sources = [*PACKAGE.rglob("*.py"), *(ROOT / "notebooks").glob("*.ipynb")]
-    sources += [*(ROOT / "docs").glob("*.md")]
+    sources += [*(ROOT / "docs").glob("*.md"), ROOT / "README.md"]
     missing = sorted(
         f"{path.relative_to(ROOT)} cites {m.group(1)}"
         for path in sources

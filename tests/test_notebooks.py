@@ -4,6 +4,10 @@ The notebooks run in a process of their own (tests/notebook_runner.py), started 
 run's first test and running beside the others, LABKIT_NOTEBOOK_JOBS (default 2) at a time:
 much of a notebook's time is waiting (kernels and ranks starting, collectives waiting for their
 peers), which other work fills. These tests come last and report each notebook's result.
+
+With LABKIT_EXECUTED_DIR set (CI and `scripts/dev.py test` set it), each notebook that passes is
+also saved there with its outputs and its widgets' state: the course site
+(scripts/build_site.py) renders those, so the notebooks are executed once, here.
 """
 
 from __future__ import annotations

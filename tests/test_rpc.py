@@ -154,7 +154,7 @@ def test_shutdown_leaves_the_group_usable_and_rpc_can_start_again(lab):
     _ok(lab.run(INIT + "\nrpc_up = True", timeout=90))
     again = _ok(lab.run("rpc.rpc_sync(f'worker{(rank + 2) % world_size}', torch.add, (rank, 1))"))
     assert again == {r: r + 1 for r in range(3)}
-    # torch 2.13: after a re-init an RRef cannot be shared (README and notebook 28 say so)
+    # torch 2.13: after a re-init an RRef cannot be shared (docs/api.md and notebook 28 say so)
     cell = """
 box = rpc.remote(f"worker{(rank + 1) % world_size}", torch.zeros, args=((3,),))
 try:

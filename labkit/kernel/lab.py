@@ -52,7 +52,9 @@ def _stop_all() -> None:
 
 
 def current() -> Lab:
-    """The lab that `%%ranks` uses: the last one created or started."""
+    """The lab that `%%ranks` uses: the last one created or started (kernel side).
+
+    Example: ``labkit.current().pull("x")`` in a notebook that started its lab with `%lab`."""
     if _current is None or _current.closed:
         raise LabError("no lab is running: start one with labkit.Lab(n) or %lab start n")
     return _current
@@ -61,7 +63,14 @@ def current() -> Lab:
 class Lab(DataRequests):
     """A set of persistent rank processes sharing one torch.distributed process group.
 
-    Runs in the kernel. `Lab(4)` forks 4 ranks and returns when their process group is ready.
+    Runs in the kernel; its ranks are processes of their own. `Lab(4)` forks 4 ranks (default:
+    one per GPU, else 4; backend and device chosen by the policy, `lab.choice.reason` says why)
+    and returns when their process group is ready. Example::
+
+        lab = labkit.Lab(4)
+        lab.run("x = torch.ones(2) * rank; dist.all_reduce(x)")
+        lab.pull("x")  # {0: tensor([6., 6.]), 1: ..., 2: ..., 3: ...}
+        lab.stop()
     """
 
     def __init__(
@@ -182,7 +191,8 @@ class Lab(DataRequests):
         wait: bool = True,
         attach_timeout: float = 600,
     ) -> Lab:
-        """A lab whose ranks are started by torchrun (on this or other machines). Kernel side.
+        """A lab whose ranks are started by torchrun (on this or other machines). Kernel side;
+        `torchrun ... -m labkit.rank --connect HOST:PORT` on each node starts the ranks.
 
         Binds a TCP endpoint on `host` (loopback by default: pass the address other nodes
         reach, or "0.0.0.0", to take ranks from a cluster), writes the lab's key to `key_file`
@@ -191,6 +201,7 @@ class Lab(DataRequests):
         the addresses, networks or host names ranks may connect from (default: any that
         holds the key). With `wait`, returns once all `world_size` ranks attached and formed
         their process group (showing how many arrived); else call `lab.wait_attached()` later.
+        Example: ``lab = labkit.Lab.attach(8, host="10.0.0.5", nnodes=2, rdzv="node001:29500")``
         """
         check_world_size(world_size)
         lab = cls(
@@ -227,7 +238,9 @@ class Lab(DataRequests):
         return self.start()
 
     def restart(self, world_size: int | None = None) -> Lab:
-        """Kill the ranks and start new ones (variables on the ranks are lost). Kernel side."""
+        """Kill the ranks and start new ones (variables on the ranks are lost). Kernel side.
+
+        Example: ``lab.restart()``, or ``lab.restart(2)`` for 2 ranks from now on."""
         if self.launcher.cannot_restart:
             raise LabError(self.launcher.cannot_restart)
         with self._lock:
@@ -243,7 +256,8 @@ class Lab(DataRequests):
             return self
 
     def stop(self) -> None:
-        """End the ranks (and the fork server) and close the channel. Safe to call twice."""
+        """End the ranks (and the fork server) and close the channel. Kernel side; safe to call
+        twice. Example: ``lab.stop()`` (or ``with labkit.Lab(2) as lab: ...``)."""
         global _current
         with self._lock:
             if self.closed:
@@ -298,7 +312,10 @@ class Lab(DataRequests):
         A function is called on every target rank with the rank's namespace entries that match
         its parameter names (`def step(rank, world_size): ...`). Returns {rank: RankResult}
         with value, output, duration and error; it raises only for bad input or when the cell
-        had to be stopped (then the ranks were restarted).
+        had to be stopped (then the ranks were restarted). Example::
+
+            lab.run("y = rank * 2; y")[1].value  # 2: the value of rank 1's last expression
+            lab.run(lambda rank, world_size: rank / world_size, ranks="0,2")
         """
         with self._lock:
             self._check_usable()
@@ -310,7 +327,8 @@ class Lab(DataRequests):
         """Run a torchrun script unchanged on every rank, as `__main__` with `sys.argv` set
         (kernel side; the kernel reads the file: labkit.kernel.script_run). A rank whose script
         raised, or exited with a code other than 0, has an error in the results
-        (`results.raise_for_errors()` raises them); the values are None."""
+        (`results.raise_for_errors()` raises them); the values are None. Example:
+        ``lab.run_script("examples/ddp_digits.py", ["--epochs", "1"])`` (as `%lab run`)."""
         return self.run(load_script(path, argv), timeout=timeout, display=False)
 
     def _call(self, msg: Any, targets: list[int], timeout: float | None) -> Results:
@@ -347,7 +365,9 @@ class Lab(DataRequests):
     def stacks(self, ranks: Any = None, timeout: float = STACKS_TIMEOUT) -> RankStacks:
         """Each rank's Python stacks now, idle or busy, also from another thread while a cell
         runs (labkit.kernel.inspection.stacks). A rank that is dead, or silent for `timeout` s,
-        says so."""
+        says so. Kernel side; the ranks answer from their heartbeat thread. Example:
+        ``lab.stacks([1])`` prints rank 1's threads, innermost frame first (as `%lab stacks 1`).
+        """
         return lab_stacks(self, ranks, timeout)
 
     def log_tail(self, rank: int, lines: int = 12) -> str:

@@ -133,7 +133,7 @@ class LabMagics(Magics):
     )
     @line_magic
     def lab(self, line: str) -> Any:
-        """Start, inspect and stop the notebook's lab of ranks.
+        """Start, inspect and stop the notebook's lab of ranks (runs in the kernel).
 
         For example `%lab start 4`, then `%%ranks` cells, `%lab status`, `%lab stop`. Each
         command and its arguments are below; the Python API behind them is `labkit.Lab`.
@@ -301,9 +301,11 @@ class LabMagics(Magics):
     def ranks(self, line: str, cell: str) -> None:
         """Run the cell on every rank of the current lab at the same time, or on RANKS.
 
-        Each rank's output is tagged with its rank; the value of the last expression is shown
+        The magic runs in the kernel; the cell's code runs on the ranks (`lab.run`). Each
+        rank's output is tagged with its rank; the value of the last expression is shown
         per rank (end the cell with `;` to hide it). A rank's error names the rank. With
-        `--profile` the cell runs under torch.profiler (labkit.profile).
+        `--profile` the cell runs under torch.profiler (labkit.profile). For example a cell
+        `%%ranks 0,2 --timeout 30` whose body is `x = torch.ones(1) * rank; x`.
         """
         if "$" in line or "{" in line:
             line = _expand(self.shell, line)

@@ -20,6 +20,12 @@ from typing import Any
 
 @dataclass
 class RankResult:
+    """One rank's part of a `lab.run` (kernel side): the value of the cell's last expression,
+    its output, its duration in seconds, and its error (None when it ran to the end).
+
+    Example: ``r = lab.run("print(rank); rank")[1]`` gives ``r.value == 1``,
+    ``r.output == "1\\n"`` and ``r.ok``."""
+
     rank: int
     value: Any = None
     output: str = ""
@@ -34,7 +40,8 @@ class RankResult:
 
 
 class LabkitWarning(UserWarning):
-    """A warning of labkit's own (tests turn these into errors)."""
+    """A warning of labkit's own, raised in the kernel (tests turn these into errors). Example:
+    ``warnings.simplefilter("error", labkit.LabkitWarning)`` makes them errors in a notebook."""
 
 
 RED, YELLOW, RESET = "\x1b[31m", "\x1b[33m", "\x1b[0m"
@@ -55,7 +62,16 @@ def _shell_colours() -> bool:
 
 
 class LabError(RuntimeError):
-    """The lab could not do what was asked (bad state, dead rank, recovery happened)."""
+    """The lab could not do what was asked (bad state, dead rank, recovery happened).
+
+    Raised in the kernel; it prints what happened and what to do, without labkit's frames.
+    Example::
+
+        try:
+            lab.run("dist.all_reduce(torch.ones(1)) if rank == 0 else None", timeout=5)
+        except labkit.LabError as err:
+            print(err)  # the stuck collective, which rank, and that the ranks restarted
+    """
 
     def explain(self, color: bool = False) -> list[str]:
         """The lines a user reads: `LabError: what happened`, then the rest of the message."""
@@ -69,7 +85,16 @@ class LabError(RuntimeError):
 
 
 class RemoteError(LabError):
-    """One or more ranks raised; `root` is the rank whose error came first."""
+    """One or more ranks raised; `root` is the rank whose error came first.
+
+    Raised in the kernel for errors raised on the ranks; `errors` holds each rank's type,
+    message and traceback. Example::
+
+        try:
+            lab.run("1 / (rank - 1)").raise_for_errors()
+        except labkit.RemoteError as err:
+            err.root, err.errors[err.root]["type"]  # (1, 'ZeroDivisionError')
+    """
 
     def __init__(self, errors: dict[int, dict[str, Any]], note: str = ""):
         self.errors = errors
@@ -113,7 +138,10 @@ class RemoteError(LabError):
 
 
 class Results(dict):
-    """{rank: RankResult} for one `lab.run`; shows per-rank values and errors."""
+    """{rank: RankResult} for one `lab.run`; shows per-rank values and errors (kernel side).
+
+    Example: ``res = lab.run("rank * 2")``; ``res.values_by_rank`` is ``{0: 0, 1: 2, ...}``,
+    ``res.errors`` the ranks that raised, and ``res.raise_for_errors()`` raises RemoteError."""
 
     @property
     def values_by_rank(self) -> dict[int, Any]:

@@ -221,7 +221,15 @@ def auto_split(
     memory_cap: int | None = None,
     repeats: int = 5,
 ) -> Plan:
-    """Profile `model` on `sample` and return the optimal plan. Runs in one process."""
+    """Profile `model` on `sample` and return the optimal plan: the split into `stages`
+    contiguous stages whose slowest stage is fastest (within `memory_cap` bytes per stage).
+
+    Runs in the process that calls it, with no communication: usually a rank in a `%%ranks`
+    cell (then `broadcast_plan` gives every rank rank 0's plan), or the kernel. Example::
+
+        plan = labkit.auto_split(nn.Sequential(*layers), torch.randn(8, 64), stages=2)
+        plan.boundaries  # e.g. [0, 3, 6]: stage 0 holds layers 0-2, stage 1 layers 3-5
+    """
     return partition_optimal(profile_layers(model, sample, repeats), stages, memory_cap)
 
 

@@ -7,7 +7,7 @@ gloo's own threads, which aborts the rank, and its peer then waits on a connecti
 Ranks share a GPU over gloo (labkit.kernel.launch.policy: more ranks than GPUs, `device="cuda"`), so
 `refuse_cuda_over_gloo` turns that call into a RuntimeError on the rank that made it, saying what
 to do, before gloo sees it. labkit.rank.dist_tracing calls it for these ops, tracing on or off.
-Seen on an H200 with torch 2.11 (README, "GPU runs on record").
+Seen on an H200 with torch 2.11 (docs/gpu.md, "GPU runs on record").
 """
 
 from __future__ import annotations

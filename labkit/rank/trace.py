@@ -136,7 +136,12 @@ def set_enabled(on: bool) -> None:
 
 @contextmanager
 def span(name: str) -> Iterator[None]:
-    """Mark a compute region on this rank for the timeline: `with labkit.span("forward"):`."""
+    """Mark a compute region on this rank for the timeline (rank side: in a `%%ranks` cell or
+    a function given to `lab.run`; `show_timeline` and `save_trace` draw it). Example::
+
+        with labkit.span("forward"):
+            loss = model(x).sum()
+    """
     start = time.time()
     try:
         yield

@@ -68,7 +68,7 @@ import time
 from typing import Any
 
 from labkit.tools import bench_others
-from labkit.tools.bench_kernel import INSIDE_LATER_S, gap_rows, kernel_cells, split_text
+from labkit.tools.bench_kernel import kernel_cells, split_text
 from labkit.tools.bench_labkit import (
     IDLE_S,
     cold_start,
@@ -77,21 +77,12 @@ from labkit.tools.bench_labkit import (
     scaling,
     trace_overhead,
 )
+from labkit.tools.bench_report import _ms, _table, main_rows
 
 
 def _load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.1f} {five:.1f} {fifteen:.1f} (1, 5, 15 min)"
-
-
-def _table(head: tuple[str, ...], rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
-    lines = [head, tuple("-" * w for w in widths), *rows]
-    return "\n".join("| " + " | ".join(c.ljust(w) for c, w in zip(r, widths)) + " |" for r in lines)
-
-
-def _ms(s: float) -> str:
-    return f"{s * 1e3:.1f} ms" if s < 1 else f"{s:.2f} s"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -117,13 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     res: dict[str, Any] = {"ranks": n, "cpus": os.cpu_count(), "torch": torch.__version__}
+    res.update(
+        cells=cells, quick=args.quick, when=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    )
     res["load_before"] = os.getloadavg()
     print(f"labkit benchmark: {n} CPU ranks on {os.cpu_count()} cores; {_load()}", flush=True)
 
     k = kernel_cells(n, cells, 20 if args.quick else 50, paced=10 if args.quick else 30)
     cold, torch_import = cold_start(n)
     rows_n = {m: scaling(m, reps) for m in sorted({*scale, n})}
-    main_n = rows_n[n]
     cell, raw = collective(n, 6, reps)
     echoes = {  # the no-op cell's floor for each size: back to back, and after idle
         m: (
@@ -136,7 +129,6 @@ def main(argv: list[str] | None = None) -> int:
     where = dispatch(n, reps * 3)
     ipp = None if args.no_ipyparallel else bench_others.ipyparallel_cells(n, reps, 16)
     traced = trace_overhead(n, 50 if args.quick else 200)
-    on, off = traced["traced_s"], traced["untraced_s"]
     res.update(kernel=k, cold_start_s=cold, torch_import_s=torch_import, scaling=rows_n)
     res.update(
         allreduce_cell_s=cell,
@@ -151,114 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     res.update(traced)
     res["load_after"] = os.getloadavg()
 
-    def other(key: str) -> str:
-        return _ms(ipp[key]) if ipp else "-"
-
-    head = ("metric", "labkit", "floor (same run)", "vs floor", "ipyparallel", "target")
-    extra = (k["ranks"] - k["own"]) * 1e3
-    pull_x, push_x = main_n["pull_s"] / main_n["copy_s"], main_n["push_s"] / main_n["copy_s"]
-    rows = [
-        (
-            "no-op %%ranks cell (kernel)",
-            _ms(k["ranks"]),
-            f"{_ms(k['own'])} kernel no-op",
-            f"{extra:+.2f} ms",
-            other("noop_s"),
-            "+1 ms",
-        ),
-        *gap_rows(k, n),
-        (
-            "no-op lab.run after 20 ms idle",
-            _ms(main_n["noop_idle_s"]),
-            f"{_ms(echo)} echo, {n} idle procs",
-            f"+{(main_n['noop_idle_s'] - echo) * 1e3:.2f} ms",
-            "-",
-            "-",
-        ),
-        (
-            "no-op lab.run in a kernel cell",
-            _ms(k["inside_at_once_s"]),
-            f"{_ms(k['inside_later_s'])} {INSIDE_LATER_S * 1e3:.0f} ms into the cell",
-            f"+{(k['inside_at_once_s'] - k['inside_later_s']) * 1e3:.2f} ms",
-            "-",
-            "-",
-        ),
-        (
-            "CPU of a no-op cell, all threads",
-            _ms(k["cpu_cell_s"] + k["cpu_ranks_s"]),
-            f"{_ms(k['cpu_own_s'])} kernel no-op",
-            f"+{(k['cpu_cell_s'] + k['cpu_ranks_s'] - k['cpu_own_s']) * 1e3:.2f} ms",
-            "-",
-            "-",
-        ),
-        (
-            "no-op lab.run back to back",
-            _ms(main_n["noop_s"]),
-            "-",
-            "-",
-            "-",
-            "-",
-        ),
-        (
-            f"start {n} ranks, cold",
-            _ms(cold),
-            f"{_ms(torch_import)} import torch",
-            f"x{cold / torch_import:.2f}",
-            other("start_s"),
-            "-",
-        ),
-        (f"start {n} ranks, fork server warm", _ms(main_n["start_s"]), "-", "-", "-", "-"),
-        ("restart()", _ms(main_n["restart_s"]), "-", "-", "-", "-"),
-        (
-            "1M-float all_reduce cell",
-            _ms(cell),
-            f"{_ms(raw)} raw torch.distributed",
-            f"x{cell / raw:.2f}",
-            other("allreduce_s"),
-            "x1.3, <= ipyparallel",
-        ),
-        (
-            f"pull 16 MiB x {n}",
-            _ms(main_n["pull_s"]),
-            f"{_ms(main_n['copy_s'])} copy",
-            f"x{pull_x:.2f}",
-            other("pull_s"),
-            "x2.5",
-        ),
-        (
-            f"pull 16 MiB x {n}, results kept",
-            _ms(main_n["pull_kept_s"]),
-            f"{_ms(main_n['copy_s'])} copy",
-            f"x{main_n['pull_kept_s'] / main_n['copy_s']:.2f}",
-            "-",
-            "-",
-        ),
-        (
-            f"push 16 MiB to {n}",
-            _ms(main_n["push_s"]),
-            f"{_ms(main_n['copy_s'])} copy",
-            f"x{push_x:.2f}",
-            "-",
-            "x2.5",
-        ),
-        (
-            "1 MiB all_reduce traced",
-            _ms(on),
-            f"{_ms(off)} untraced",
-            f"{(on / off - 1) * 100:+.1f} %",
-            "-",
-            "+5 %",
-        ),
-        (
-            "tracing's own cost per call",
-            f"{traced['wrapper_s'] * 1e6:.0f} us",
-            f"{_ms(off)} untraced all_reduce",
-            f"{traced['wrapper_s'] / off * 100:+.1f} %",
-            "-",
-            "+5 %",
-        ),
-        (f"kernel RSS over {cells} cells", f"{k['rss_growth']:+.1f} MB", "-", "-", "-", "20 MB"),
-    ]
+    head, rows = main_rows(res)
     print()
     print(_table(head, rows))
     print(

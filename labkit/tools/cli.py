@@ -79,12 +79,19 @@ def _exec(cmd: list[str]) -> int:
     return 1  # not reached
 
 
-def run_notebook(path: str, timeout: int = 600) -> tuple[bool, float, str]:
-    """Execute a notebook top to bottom in a fresh kernel; (ok, seconds, error summary)."""
-    return execute_notebook(path, timeout)[:3]
+def run_notebook(
+    path: str, timeout: int = 600, save_dir: str | None = None
+) -> tuple[bool, float, str]:
+    """Execute a notebook top to bottom in a fresh kernel; (ok, seconds, error summary).
+
+    With `save_dir`, a notebook that passed is written there under its own name with its
+    outputs and its widgets' state (what the course site renders: `scripts/dev.py docs`)."""
+    return execute_notebook(path, timeout, save_dir)[:3]
 
 
-def execute_notebook(path: str, timeout: int = 600) -> tuple[bool, float, str, str]:
+def execute_notebook(
+    path: str, timeout: int = 600, save_dir: str | None = None
+) -> tuple[bool, float, str, str]:
     """`run_notebook`, and the whole error besides its summary (a failed cell's traceback)."""
     import nbformat
     from nbclient import NotebookClient
@@ -99,8 +106,15 @@ def execute_notebook(path: str, timeout: int = 600) -> tuple[bool, float, str, s
     )
     t0 = time.perf_counter()
     try:
-        client.execute()
-        return True, time.perf_counter() - t0, "", ""
+        client.execute()  # keeps the widgets' state in nb.metadata (store_widget_state)
+        seconds = time.perf_counter() - t0
+        if save_dir:
+            os.makedirs(save_dir, exist_ok=True)
+            out = os.path.join(save_dir, os.path.basename(path))
+            _drop_widget_bundles(nb)
+            nbformat.write(nb, out + ".part")
+            os.replace(out + ".part", out)  # a reader never sees half a notebook
+        return True, seconds, "", ""
     except CellExecutionError as exc:
         lines = [ln for ln in str(exc).splitlines() if ln.strip()]
         summary = lines[-1] if lines else "cell failed"
@@ -108,6 +122,16 @@ def execute_notebook(path: str, timeout: int = 600) -> tuple[bool, float, str, s
     except Exception as exc:  # noqa: BLE001 - a timeout or a dead kernel is a failed check
         error = f"{type(exc).__name__}: {exc}"
         return False, time.perf_counter() - t0, error, error
+
+
+def _drop_widget_bundles(nb: Any) -> None:
+    """Leave out the JavaScript that anywidget keeps in each widget's state (`_esm`, `_css`:
+    about 5 MB of plotly.js per figure); the figure's data and layout stay, and the course site
+    draws them with the one plotly.js it carries."""
+    state = nb.metadata.get("widgets", {}).get("application/vnd.jupyter.widget-state+json", {})
+    for model in state.get("state", {}).values():
+        for key in ("_esm", "_css"):
+            model.get("state", {}).pop(key, None)
 
 
 def gpu_problem(device: str) -> str | None:
@@ -140,7 +164,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     width = max(len(os.path.basename(p)) for p in paths)
     failed = 0
     for path in paths:
-        ok, seconds, error = run_notebook(path, args.timeout)
+        ok, seconds, error = run_notebook(path, args.timeout, args.save)
         failed += not ok
         print(
             f"{os.path.basename(path):<{width}}  {'pass' if ok else 'FAIL'}  {seconds:6.1f} s"
@@ -230,6 +254,13 @@ def main(argv: list[str] | None = None) -> int:
         choices=("auto", "cpu", "cuda"),
         default="auto",
         help="the device of every Lab that asks for 'auto' (default: the policy's choice)",
+    )
+    p.add_argument(
+        "--save",
+        metavar="DIR",
+        default=os.environ.get("LABKIT_EXECUTED_DIR") or None,
+        help="write each notebook that passed to DIR with its outputs and widget state, for "
+        "the course site (default: $LABKIT_EXECUTED_DIR, else nothing is written)",
     )
     p.set_defaults(fn=cmd_check)
     p = sub.add_parser(

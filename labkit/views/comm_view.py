@@ -210,7 +210,11 @@ class CommView(View):
 
 
 def show_comm(lab_or_records: Any, cell: int | None = None) -> CommView:
-    """Traffic matrix and per-op bandwidth of a trace (kernel side; convention in module doc)."""
+    """Traffic matrix and per-op bandwidth of a trace (kernel side; convention in module doc).
+
+    `lab_or_records` is a lab (its last cell's trace, or `cell`'s) or a list of records.
+    Example: ``labkit.show_comm(lab)`` after a `%%ranks` cell that ran collectives.
+    """
     records, lab = records_from(lab_or_records, cell)
     world_size = getattr(lab, "world_size", None) if lab is not None else None
     return CommView(traffic_matrix(records, world_size), op_summary(records))

@@ -241,6 +241,9 @@ def show_placement(
     With a lab, `name` (and `optimizer`, a name too) are evaluated on every rank by
     `labkit.rank.placement_probe.describe_model`; otherwise `lab_or_rows` is a list of its rows or
     `{rank: rows}`. `predicted` overrides the formula prediction (bytes, one total or per rank).
+
+    Example: ``labkit.show_placement(lab, "model", optimizer="opt")`` after a `%%ranks` cell
+    that built `model` (and `opt`) on every rank.
     """
     info: list[dict[str, Any]] = []
     world_size = None

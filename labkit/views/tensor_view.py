@@ -191,6 +191,9 @@ def show_tensors(
     `before` and/or `after`, the missing one is the current value. With `snapshots`
     (`[(label, {rank: tensor}), ...]`) a slider steps through them. All panels share one colour
     scale. Returns a `TensorView` (an ipywidgets VBox; `.figures`, `.to_html()`).
+
+    Example: ``labkit.show_tensors(lab, "x")`` after a `%%ranks` cell that set `x`; or
+    ``labkit.show_tensors(lab, "x", before=saved)`` with ``saved = lab.pull("x")`` from before.
     """
     devices: dict[int, str] = {}
     current: Mapping[int, Any] | None = lab_or_values

@@ -293,6 +293,9 @@ def show_timeline(
     `lab_or_records` is a lab (its `trace(cell)` is drawn) or a list of CommRecord/SpanRecord
     (or their dicts; `cell` filters them). A warning line says when ranks outnumber CPU cores
     (`num_cpus`, or the lab's `ranks_info()`).
+
+    Example: ``labkit.show_timeline(lab)`` after a `%%ranks` cell; ``with labkit.span("fwd"):``
+    in the cell marks its compute, and ``show_timeline(lab, cell=3)`` draws an earlier cell.
     """
     records, lab = records_from(lab_or_records, cell)
     ranks = {r.rank for r in records}

@@ -369,10 +369,10 @@ def save_trace(
     (ui.perfetto.dev) or chrome://tracing. With `per_rank=True`, `path` is an existing folder
     (files `rank0.json`, `rank1.json`, ...) or a pattern with `{rank}` (`"t/rank{rank}.json"`),
     and each file has the `distributedInfo` Holistic Trace Analysis needs. A `.gz` path is
-    compressed. The folder must exist; files already there are replaced.
-
-    After `labkit.profile(lab, code)` (or a `%%ranks --profile` cell), saving that cell also
-    writes the torch.profiler operators of each rank under its process.
+    compressed. The folder must exist; files already there are replaced. After
+    `labkit.profile(lab, code)` (or a `%%ranks --profile` cell), saving that cell also writes
+    the torch.profiler operators of each rank under its process. Example:
+    ``labkit.save_trace(lab, "trace.json")``, then open the file at ui.perfetto.dev.
     """
     records, lab = _records(lab_or_records, cell)
     path = os.path.expanduser(os.fspath(path))

@@ -34,7 +34,15 @@ def run_command(
 
     On Stop (KeyboardInterrupt) or past `timeout` seconds, the command gets SIGTERM and `grace`
     seconds to end its own children; what is still running then is killed. The exception is
-    raised again: `subprocess.TimeoutExpired` carries the output captured so far.
+    raised again: `subprocess.TimeoutExpired` carries the output captured so far. Kernel side
+    (or any process): the command runs as a child of the caller, not on the lab's ranks.
+    Example::
+
+        done = labkit.run_command(
+            [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", "train.py"],
+            timeout=600,
+        )
+        print(done.returncode, done.stdout[-500:])
     """
     if isinstance(cmd, (str, bytes)) or not isinstance(cmd, Sequence) or not cmd:
         raise TypeError(

@@ -57,7 +57,8 @@ class DebugFrontend:
 
 
 def post_mortem(lab: Any, rank: int) -> None:
-    """Open pdb on the last exception a cell raised on `rank` (kernel side): `lab.debug(1)`.
+    """Open pdb on the last exception a cell raised on `rank` (kernel side; pdb runs on the
+    rank). Example: ``lab.debug(1)`` after a cell raised on rank 1 (as `%lab debug 1`).
 
     Commands are typed in the notebook's input box; pdb's answers show below the cell. The
     rank's real frames and variables are there (`p x`, `up`, `down`, `l`); `q` or `c` ends the

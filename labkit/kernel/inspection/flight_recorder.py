@@ -42,7 +42,13 @@ class RankFlightRecorder(dict):
 
 
 def flight_recorder(lab: Any, ranks: Any = None, last: int = LAST) -> RankFlightRecorder:
-    """The last `last` collectives each rank's Flight Recorder holds (between cells)."""
+    """The last `last` collectives each rank's Flight Recorder holds (between cells).
+
+    Kernel side; each rank reads torch's Flight Recorder (its ring of recent collectives).
+    Returns {rank: [entry, ...]}, oldest first, each a dict (seq, op, group, state, sizes,
+    dtypes; duration on GPUs). Example: ``labkit.flight_recorder(lab, ranks=[0], last=4)``
+    (as `%lab logs --fr 0 --lines 4`).
+    """
     if not isinstance(last, int) or isinstance(last, bool) or last < 1:
         raise ValueError(f"last must be a whole number of at least 1, got {last!r}")
     if lab.closed or not lab.running:

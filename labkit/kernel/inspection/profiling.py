@@ -30,6 +30,10 @@ def profile(lab: Any, code: str, ranks: Any = None, timeout: float | None = None
 
     `labkit.save_trace(lab, path)` then writes the cell's operators (CPU, and CUDA kernels on
     GPU ranks) with labkit's records. A rank's error is in the results, as from `lab.run`.
+    Kernel side; each rank runs the cell inside torch.profiler. Example::
+
+        labkit.profile(lab, "y = model(x); dist.all_reduce(y)")
+        labkit.save_trace(lab, "profiled.json")  # labkit's records and torch's operators
     """
     if not isinstance(code, str):
         raise TypeError(
