@@ -1,7 +1,7 @@
-"""Set-up and entry points for people and CI: `python3 scripts/dev.py lab|test|bench|check|docs`.
+"""Set-up and entry points for people and CI: `python3 scripts/dev.py COMMAND` (below).
 
-Creates `.venv` beside this repository (if missing), installs torch==2.13.0 first and then
-labkit with its test extras in editable mode, then runs the command:
+Creates `.venv` beside this repository (if missing), installs torch first and then labkit with
+its test extras in editable mode, then runs the command (lab, test, bench, check, docs, range):
 
 - lab:   JupyterLab on notebooks/ (http://127.0.0.1:8888)
 - test:  the test suite (installs Debian's chromium and Slurm for their tests when it can)
@@ -9,8 +9,19 @@ labkit with its test extras in editable mode, then runs the command:
 - check: every notebook top to bottom (labkit check)
 - docs:  the course site into build/site/ (scripts/build_site.py), from the notebooks that
          `test` and `check` executed and saved in build/executed/ ($LABKIT_EXECUTED_DIR); offline
+- range: the torch-range subset (`RANGE_TESTS`) on the oldest and the newest torch of the tested
+  range (`RANGE`), each installed alone in `.torch/VERSION` and put ahead of .venv's torch with
+  PYTHONPATH; `range oldest` or `range newest` runs one end. Other arguments go to pytest.
 
-Set LABKIT_TORCH to install another torch requirement (e.g. "torch" for the newest).
+Which torch: a torch the user already has is never replaced. When the Python running this
+script has torch and .venv does not exist yet, .venv is made with --system-site-packages and
+uses that torch (a GPU image's, a cluster's module); otherwise `LABKIT_TORCH` is installed
+into .venv, default the pinned "torch==2.13.0" (reproducible: what CI runs the whole suite on).
+Set LABKIT_TORCH to install another requirement ("torch==2.11.0", "torch" for the newest) or to
+"pinned" to ignore the outer torch; once .venv has a torch it is kept (remove .venv to change it).
+LABKIT_TORCH_INDEX adds a package index for torch (`range` and LABKIT_TORCH), e.g.
+https://download.pytorch.org/whl/cpu for the CPU builds (~190 MB instead of ~3 GB with CUDA's
+libraries).
 """
 
 from __future__ import annotations
@@ -30,14 +41,60 @@ def sh(*cmd: str, **kw) -> None:
     subprocess.run(cmd, check=True, **kw)
 
 
+PINNED = "torch==2.13.0"
+# the tested range: pyproject's lower bound and the newest torch checked (labkit.rank.torch_compat)
+RANGE = {"oldest": "2.11.0", "newest": "2.14.1"}
+# what `range` runs on each end: the core, tracing (DDP's records and FSDP2's among it), Stop,
+# torchrun code, the Flight Recorder, Join under DDP, every private torch hook made unavailable,
+# the checker torch 2.14 broke, and three notebooks (the start, the 2.13 names and
+# use_local_synchronization, every collective)
+RANGE_TESTS = [
+    "tests/test_torch_compat.py",
+    "tests/test_core.py",
+    "tests/test_trace.py",
+    "tests/test_stop.py",
+    "tests/test_torchrun_code.py",
+    "tests/test_flight_recorder.py",
+    "tests/test_ddp_observed.py::test_join_with_uneven_inputs_keeps_ddps_divisor",
+    "tests/test_checkers_collectives.py::test_pair_sum",
+    "tests/test_checkers_collectives.py::test_pair_sum_local_synchronization",
+    "tests/test_notebooks.py::test_notebook_runs[00_start.ipynb]",
+    "tests/test_notebooks.py::test_notebook_runs[10_process_groups.ipynb]",
+    "tests/test_notebooks.py::test_notebook_runs[12_collectives.ipynb]",
+]
+
+
+def torch_version(python: str) -> str | None:
+    probe = subprocess.run(
+        [python, "-c", "import torch; print(torch.__version__)"], capture_output=True, text=True
+    )
+    return probe.stdout.strip() if probe.returncode == 0 else None
+
+
+def index_args() -> list[str]:
+    index = os.environ.get("LABKIT_TORCH_INDEX")
+    return ["--extra-index-url", index] if index else []
+
+
 def ensure_env() -> None:
+    torch_req = os.environ.get("LABKIT_TORCH", "")
     if not os.path.exists(PY):
-        sh(sys.executable, "-m", "venv", VENV)
+        outer = None if torch_req else torch_version(sys.executable)
+        if outer is not None:
+            print(
+                f"using the torch {outer} that {sys.executable} has (.venv sees it: "
+                f"--system-site-packages); LABKIT_TORCH=pinned installs {PINNED} instead",
+                flush=True,
+            )
+            sh(sys.executable, "-m", "venv", "--system-site-packages", VENV)
+        else:
+            sh(sys.executable, "-m", "venv", VENV)
     pip = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check"]
-    torch_req = os.environ.get("LABKIT_TORCH", "torch==2.13.0")
-    probe = subprocess.run([PY, "-c", "import torch"], capture_output=True)
-    if probe.returncode != 0:
-        sh(*pip, torch_req)
+    have = torch_version(PY)
+    if have is None:
+        sh(*pip, *index_args(), PINNED if torch_req in ("", "pinned") else torch_req)
+    elif torch_req not in ("", "pinned"):
+        print(f".venv keeps its torch {have} (LABKIT_TORCH applies to a new .venv)", flush=True)
     stamp = os.path.join(VENV, ".labkit-installed")
     pyproject = os.path.join(ROOT, "pyproject.toml")
     if not os.path.exists(stamp) or os.path.getmtime(stamp) < os.path.getmtime(pyproject):
@@ -71,6 +128,47 @@ def ensure_test_packages() -> None:
         )
 
 
+def with_path(where: str) -> dict[str, str]:
+    """The environment with `where` first on PYTHONPATH (its torch shadows .venv's)."""
+    old = os.environ.get("PYTHONPATH")
+    return dict(os.environ, PYTHONPATH=where + (os.pathsep + old if old else ""))
+
+
+def ensure_torch(version: str) -> str:
+    """`.torch/VERSION` holding torch==VERSION alone (plus, for a CUDA build, the nvidia-*
+    packages it needs to import); returns the folder to put first on PYTHONPATH."""
+    where = os.path.join(ROOT, ".torch", version)
+    if torch_at(where) == version:
+        return where
+    shutil.rmtree(where, ignore_errors=True)
+    pip = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", where]
+    sh(*pip, "--no-deps", *index_args(), f"torch=={version}")
+    if torch_at(where) is None:  # a CUDA build does not import without its libraries
+        sh(*pip, "--upgrade", *index_args(), f"torch=={version}")
+    return where
+
+
+def torch_at(where: str) -> str | None:
+    """The version of the torch in `where` (without its local part), None when none imports
+    from there."""
+    probe = [PY, "-c", "import torch; print(torch.__version__.split('+')[0], torch.__file__)"]
+    out = subprocess.run(probe, capture_output=True, text=True, env=with_path(where)).stdout.split()
+    inside = len(out) == 2 and out[1].startswith(os.path.join(where, ""))
+    return out[0] if inside else None
+
+
+def run_range(rest: list[str]) -> int:
+    ends = [a for a in rest if a in RANGE] or list(RANGE)
+    args = [a for a in rest if a not in RANGE]
+    worst = 0
+    for end in ends:
+        where = ensure_torch(RANGE[end])
+        print(f"== torch {RANGE[end]} ({end} of the tested range)", flush=True)
+        code = subprocess.call([PY, "-m", "pytest", *RANGE_TESTS, *args], env=with_path(where))
+        worst = max(worst, code)
+    return worst
+
+
 def main() -> int:
     cmd = sys.argv[1] if len(sys.argv) > 1 else "test"
     rest = sys.argv[2:]
@@ -90,6 +188,8 @@ def main() -> int:
         return subprocess.call([PY, "-m", "labkit", "check", *rest])
     if cmd == "docs":
         return subprocess.call([PY, os.path.join(ROOT, "scripts", "build_site.py"), *rest])
+    if cmd == "range":
+        return run_range(rest)
     print(__doc__, file=sys.stderr)
     return 2
 

@@ -4,9 +4,8 @@ On a lent machine (torch with CUDA, 16 cores, no Jupyter packages; docs/gpu.md, 
 check") it
 
 1. installs the wheels carried in WHEELS (`.whl/`, the versions CI installs, downloaded for that
-   machine's Python) into a folder of their own, with no index, and where torch is older than
-   2.13 aliases the two 2.13 collective names labkit uses to their older equivalents (for this
-   run only);
+   machine's Python) into a folder of their own, with no index (on a torch older than 2.13 the
+   ranks provide the two 2.13 collective names themselves: labkit.rank.torch_compat);
 2. runs `pytest -m gpu tests/test_gpu.py` beside every notebook, JOBS notebooks at a time, each
    through `scripts/gpu_notebooks.py` with `LABKIT_DEVICE=DEVICE` (on one GPU every lab's ranks
    share it), none started after BUDGET seconds and each stopped at its limit or the budget's end;
@@ -32,15 +31,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-ALIASES = """try:
-    import torch.distributed as _d
-    for _new, _old in (("all_gather_single", "all_gather_into_tensor"),
-                       ("reduce_scatter_single", "reduce_scatter_tensor")):
-        if not hasattr(_d, _new) and hasattr(_d, _old):
-            setattr(_d, _new, getattr(_d, _old))
-except Exception:
-    pass
-"""
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -73,8 +63,6 @@ def install(args: argparse.Namespace, env: dict[str, str]) -> list[str] | None:
     env["PYTHONPATH"] = os.pathsep.join([site, ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if not args.dry_run:
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
-        with open(os.path.join(site, "sitecustomize.py"), "w") as f:
-            f.write(ALIASES)
     return cmd
 
 

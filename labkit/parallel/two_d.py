@@ -169,8 +169,11 @@ def accumulate_step(
 def local_piece(param: Any, full: torch.Tensor) -> torch.Tensor:
     """The part of `full` (the whole tensor, as one process holds it) that the DTensor `param`
     keeps on this rank, found from its placements on every mesh axis. No communication."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from labkit.rank import torch_compat
 
+    compute_local_shape_and_global_offset = torch_compat.get("dtensor_local_shape")
+    if compute_local_shape_and_global_offset is None:
+        raise RuntimeError(torch_compat.missing("dtensor_local_shape"))
     shape, offset = compute_local_shape_and_global_offset(
         param.shape, param.device_mesh, param.placements
     )

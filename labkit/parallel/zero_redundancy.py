@@ -299,8 +299,11 @@ def _allocations(prof: Any, device_type: str) -> list[tuple[int, int]]:
     tree = getattr(results, "experimental_event_tree", None)
     if tree is None:
         raise RuntimeError("this torch's profiler has no event tree; AllocationPeak needs one")
-    from torch._C._profiler import _EventType
+    from labkit.rank import torch_compat
 
+    _EventType = torch_compat.get("profiler_event_tree")
+    if _EventType is None:
+        raise RuntimeError(torch_compat.missing("profiler_event_tree"))
     out, stack = [], list(tree())
     while stack:
         node = stack.pop()

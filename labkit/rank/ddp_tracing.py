@@ -39,7 +39,7 @@ import sys
 import time
 from typing import Any
 
-from labkit.rank import flight_recorder
+from labkit.rank import flight_recorder, torch_compat
 from labkit.rank.trace_state import STATE
 from labkit.wire.records import CommRecord
 
@@ -106,13 +106,17 @@ def _nbytes(sizes: list[list[int]], dtypes: list[str]) -> int:
     return total
 
 
-def _group_ranks() -> dict[str, tuple[int, ...]]:
-    """Process group name (as the Flight Recorder names it) -> the group's global ranks."""
+def _group_ranks() -> dict[str, tuple[int, ...]] | None:
+    """Process group name (as the Flight Recorder names it) -> the group's global ranks; None
+    when this torch's group table is unavailable (torch_compat's `group_registry`)."""
     import torch.distributed as dist
 
+    found = torch_compat.get("group_registry")
+    if found is None:
+        return None
     out = {}
     try:
-        for pg, name in dist.distributed_c10d._world.pg_names.items():
+        for pg, name in found[0].pg_names.items():
             out[name] = tuple(dist.get_process_group_ranks(pg))
     except Exception:  # noqa: BLE001 - torch's private registry: fall back to no group
         pass
@@ -179,7 +183,8 @@ def collect() -> list[CommRecord]:
     if STATE.fr_enqueued is not None and flight_recorder.enqueued() == STATE.fr_enqueued:
         return []  # no collective was enqueued in this cell
     raw = flight_recorder.raw_entries()
-    if isinstance(raw, str):
+    groups = _group_ranks()
+    if isinstance(raw, str) or groups is None:  # without groups, records would name none
         return []
     fresh = [e for e in raw if e.get("record_id", -1) > STATE.fr_last]
     if not fresh:
@@ -188,7 +193,7 @@ def collect() -> list[CommRecord]:
     STATE.fr_last = fresh[-1].get("record_id", STATE.fr_last)
     windows = sorted(STATE.windows)
     seen = _seen(windows, max((b - a for a, b, _ in windows), default=0.0))
-    groups, out = _group_ranks(), []
+    out = []
     for entry in fresh:
         created = entry.get("time_created_ns", 0) / 1e9
         if entry.get("is_p2p") or created < STATE.cell_start:

@@ -10,7 +10,10 @@ issues them. Async calls (`async_op=True`, `isend`, `irecv`) complete when their
 Each call is recorded under the name the user called, torch 2.13's `all_gather_single` /
 `reduce_scatter_single` as well as their deprecated forms `all_gather_into_tensor` /
 `reduce_scatter_tensor` (which call the new ones: one call, one record);
-`labkit.views.bandwidth.canonical_op` folds them into `all_gather` / `reduce_scatter`.
+`labkit.views.bandwidth.canonical_op` folds them into `all_gather` / `reduce_scatter`. On a torch
+older than 2.13 the ranks provide the new names (`labkit.rank.torch_compat.provide_renames`), and
+torch's own calls of the old ones (FSDP2's) are recorded under the new names, as torch 2.13's
+FSDP2 makes them, so a trace reads the same on every torch of the range.
 
 Point-to-point calls and the list `all_to_all` on CUDA tensors over gloo, which gloo cannot move,
 are run on host copies by `labkit.rank.host_staging`, tracing on or off; the record is the user's
@@ -26,12 +29,13 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 import sys
 import threading
 import time
 from typing import Any
 
-from labkit.rank import host_staging
+from labkit.rank import host_staging, torch_compat
 from labkit.rank.trace_state import (
     STATE,
     add_record,
@@ -67,12 +71,31 @@ OPS: dict[str, tuple[str | None, str | None]] = {
     "batch_isend_irecv": ("p2p_op_list", None),
 }
 ASYNC_ALWAYS = {"isend", "irecv", "batch_isend_irecv"}
-JOIN = ("notify_join_context", "join.py")  # the caller whose Work goes to DDP's C++ reducer
 
 
 def _from_join() -> bool:
+    """Whether the caller of the traced all_reduce is `Join.notify_join_context`, whose Work goes
+    to DDP's C++ reducer (torch_compat's `join_hook`: its function's name and file)."""
+    join = torch_compat.get("join_hook")
+    if join is None:
+        return False
     code = sys._getframe(2).f_code
-    return code.co_name == JOIN[0] and code.co_filename.endswith(JOIN[1])
+    return code.co_name == join[0] and code.co_filename.endswith(join[1])
+
+
+def _torch_dir() -> str:
+    import torch
+
+    return os.path.dirname(torch.__file__) + os.sep
+
+
+def _recorded_as(op: str) -> str:
+    """torch 2.13's name for an older torch's own call of a function 2.13 renamed (FSDP2's
+    all_gather_into_tensor on torch 2.11); any other call keeps the name it was called by."""
+    new = torch_compat.RENAMED_FROM.get(op)
+    if new is None or not torch_compat.provided(new):
+        return op
+    return new if sys._getframe(2).f_code.co_filename.startswith(_torch_dir()) else op
 
 
 def _wrap(op: str, fn: Any) -> Any:
@@ -106,7 +129,7 @@ def _wrap(op: str, fn: Any) -> Any:
             peer = ranks[bound["group_" + peer_arg]] if ranks else None
         reduce_op = bound.get("op", default_op)
         rec = new_record(
-            op,
+            _recorded_as(op) if op in torch_compat.RENAMED_FROM else op,
             ranks,
             tensors,
             peer=peer,
@@ -131,6 +154,8 @@ def _wrap(op: str, fn: Any) -> Any:
                     STATE.inside = False
                 issued(rec)
             rec.end = time.time()  # issued; completion moves it later
+            if op == "all_reduce" and not torch_compat.available("join_hook"):
+                return work  # it may be Join's, whose Work DDP's reducer takes as torch's own
             return _complete_on_wait(work, [rec], event)
         if main:
             STATE.current, STATE.since, STATE.inside = rec, rec.start, True

@@ -3,8 +3,9 @@
 torch records each collective of a process group in a ring buffer (the Flight Recorder) when
 `TORCH_FR_BUFFER_SIZE` is set before the group is made; `enable()` sets it (unless the user set
 it: `TORCH_FR_BUFFER_SIZE=0` turns it off) before the lab's group is formed. `entries()` dumps
-it through torch's private `torch._C._distributed_c10d._dump_fr_trace_json` (checked on torch
-2.13 with gloo); where that is missing, it says why instead of failing. `tail_text()` is what a
+it through torch's private `torch._C._distributed_c10d._dump_fr_trace_json` (found by
+`labkit.rank.torch_compat`, feature `flight_recorder`; checked on torch 2.11 to 2.14 with gloo);
+where that is missing, it says why instead of failing. `tail_text()` is what a
 rank adds to its stacks (labkit.rank.stacks), so `lab.stacks()` and a stuck cell's message show
 the last collectives each rank entered, read by the heartbeat thread while the main thread
 waits in one. `raw_entries()` and `enqueued()` are what `labkit.rank.ddp_tracing` reads at the
@@ -20,6 +21,8 @@ import os
 import pickle
 import time
 from typing import Any
+
+from labkit.rank import torch_compat
 
 # entries torch keeps per process (a ring: the oldest go first); a dump of 200 takes ~2 ms,
 # of 2000 ~50 ms (on the heartbeat thread, holding the GIL), so the ring stays small
@@ -40,15 +43,16 @@ def enable() -> None:
     os.environ.setdefault(ENV, BUFFER)
 
 
+def _dumps() -> Any:
+    """(torch's pickled dump, its JSON dump), or RuntimeError saying this torch has neither."""
+    found = torch_compat.get("flight_recorder")
+    if found is None:
+        raise RuntimeError(torch_compat.missing("flight_recorder"))
+    return found
+
+
 def _dump() -> dict[str, Any]:
-    try:
-        from torch._C._distributed_c10d import _dump_fr_trace_json
-    except ImportError as exc:
-        raise RuntimeError(
-            f"this torch has no Flight Recorder dump (torch._C._distributed_c10d."
-            f"_dump_fr_trace_json: {exc}); labkit reads it as torch 2.13 has it"
-        ) from None
-    return json.loads(_dump_fr_trace_json(True, False))
+    return json.loads(_dumps()[1](True, False))
 
 
 def enqueued() -> dict[str, Any] | None:
@@ -58,9 +62,7 @@ def enqueued() -> dict[str, Any] | None:
     if os.environ.get(ENV, "0") in ("", "0"):
         return None
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-
-        status = pickle.loads(_dump_fr_trace(False, False, False)).get("pg_status")
+        status = pickle.loads(_dumps()[0](False, False, False)).get("pg_status")
     except Exception:  # noqa: BLE001 - a private API: when it fails, the caller reads entries
         return None
     if not status:
@@ -78,9 +80,7 @@ def raw_entries() -> list[dict[str, Any]] | str:
     if os.environ.get(ENV, "0") in ("", "0"):
         return f"the Flight Recorder is off on this rank ({ENV} is not set, or 0)"
     try:
-        from torch._C._distributed_c10d import _dump_fr_trace
-
-        return list(pickle.loads(_dump_fr_trace(True, False, False)).get("entries", []))
+        return list(pickle.loads(_dumps()[0](True, False, False)).get("entries", []))
     except Exception as exc:  # noqa: BLE001 - a private API: say what went wrong, never fail
         return f"the Flight Recorder could not be read: {type(exc).__name__}: {exc}"
 

@@ -20,6 +20,7 @@ import threading
 import time
 from typing import Any
 
+from labkit.rank import torch_compat
 from labkit.rank.trace_state import (
     STATE,
     add_record,
@@ -44,6 +45,13 @@ FUNCOL_OPS: dict[str, tuple[str, bool]] = {
     "reduce_scatter_single_coalesced": ("reduce_scatter_single", False),
     "all_to_all_single": ("all_to_all_single", False),
     "all_to_all_single_autograd": ("all_to_all_single", False),
+    # the names before torch 2.13 (DTensor calls them there; 2.13's forward to the above)
+    "all_gather_tensor": ("all_gather_single", True),
+    "all_gather_tensor_autograd": ("all_gather_single", True),
+    "all_gather_into_tensor_coalesced": ("all_gather_single", True),
+    "reduce_scatter_tensor": ("reduce_scatter_single", False),
+    "reduce_scatter_tensor_autograd": ("reduce_scatter_single", False),
+    "reduce_scatter_tensor_coalesced": ("reduce_scatter_single", False),
 }
 
 
@@ -51,9 +59,10 @@ def _funcol_ranks(funcol: Any, group: Any) -> tuple[int, ...]:
     import torch.distributed as dist
 
     try:
-        resolved = funcol._resolve_group(group)
-        if not isinstance(resolved, dist.ProcessGroup):
-            resolved = dist.distributed_c10d._resolve_process_group(resolved)
+        _, group_name, process_group = torch_compat.get("functional_collectives")
+        resolved = group if isinstance(group, dist.ProcessGroup) else None
+        if resolved is None:  # a mesh, (mesh, dim), a group's name, a list of ranks
+            resolved = process_group(group_name(group))
         return tuple(dist.get_process_group_ranks(resolved))
     except Exception:  # a traced (compiled) group, or one this rank cannot resolve
         return ()
@@ -67,6 +76,9 @@ def _wrap_funcol(funcol: Any, name: str, fn: Any) -> Any:
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
         if not STATE.enabled or STATE.inside or threading.get_ident() != STATE.main:
+            return fn(*args, **kwargs)
+        if not torch_compat.available("functional_collectives"):  # made so after install
+            _say_missing()
             return fn(*args, **kwargs)
         bound = sig.bind_partial(*args, **kwargs).arguments
         ranks = _funcol_ranks(funcol, bound.get("group"))
@@ -122,7 +134,19 @@ def _wrap_wait_tensor(fn: Any) -> Any:
     return wait_tensor
 
 
+_said: list[bool] = []
+
+
+def _say_missing() -> None:
+    if not _said:
+        _said.append(True)
+        print(torch_compat.missing("functional_collectives"), file=sys.stderr, flush=True)
+
+
 def _install_funcol(funcol: Any) -> None:
+    if not torch_compat.available("functional_collectives"):
+        _say_missing()
+        return
     for name in FUNCOL_OPS:
         fn = getattr(funcol, name, None)
         if fn is not None and not hasattr(fn, "__labkit_traced__"):

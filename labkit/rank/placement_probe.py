@@ -74,18 +74,23 @@ def _state_bytes(optimizer: torch.optim.Optimizer | None, param: torch.Tensor) -
 
 
 def _sharding(param: torch.Tensor) -> dict[str, Any]:
-    """Placements, mesh and local slices of a DTensor."""
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    """Placements, mesh and local slices of a DTensor (no slices where this torch lacks
+    torch_compat's `dtensor_local_shape`: the placements still say how it is split)."""
+    from labkit.rank import torch_compat
 
     mesh = param.device_mesh
-    local_shape, offset = compute_local_shape_and_global_offset(param.shape, mesh, param.placements)
     dims = sorted({p.dim for p in param.placements if p.is_shard()})
+    local_shape_and_offset = torch_compat.get("dtensor_local_shape")
+    shard = []
+    if local_shape_and_offset is not None:
+        local_shape, offset = local_shape_and_offset(param.shape, mesh, param.placements)
+        shard = [(d, int(offset[d]), int(offset[d] + local_shape[d])) for d in dims]
     return {
         "placement": "sharded" if dims else "replicated",
         "placements": [repr(p) for p in param.placements],
         "mesh": mesh.mesh.tolist(),
         "mesh_dim_names": list(mesh.mesh_dim_names or ()),
-        "shard": [(d, int(offset[d]), int(offset[d] + local_shape[d])) for d in dims],
+        "shard": shard,
     }
 
 

@@ -24,7 +24,7 @@ import socket
 from typing import Any
 from urllib.parse import parse_qs, urlparse
 
-from labkit.rank import flight_recorder
+from labkit.rank import flight_recorder, torch_compat
 from labkit.wire.config import RankConfig
 
 
@@ -186,8 +186,13 @@ def accept_script_calls(dist: Any, rank: Any) -> None:
         whole = group is None or group == c10d.GroupMember.WORLD
         if not whole or not dist.is_initialized():
             return real_destroy(group)
-        default = c10d._get_default_group()
-        for pg in reversed(list(c10d._world.pg_map)):  # the user's subgroups, newest first
+        registry = torch_compat.get("group_registry")
+        if registry is None:
+            note("destroy", f"destroy_process_group: {torch_compat.missing('group_registry')}")
+            return None
+        world, get_default = registry
+        default = get_default()
+        for pg in reversed(list(world.pg_map)):  # the user's subgroups, newest first
             if pg is not default:
                 real_destroy(pg)
         note(

@@ -39,7 +39,7 @@ from typing import Any
 
 import zmq
 
-from labkit.rank import debugger, process_group, progress, trace
+from labkit.rank import debugger, process_group, progress, torch_compat, trace
 from labkit.rank.capture import Capture
 from labkit.rank.link import CtrlLink
 from labkit.rank.side import SideChannel
@@ -141,6 +141,7 @@ class Rank(SideChannel):
         import torch
         import torch.distributed as dist
 
+        torch_compat.provide_renames()  # torch < 2.13: its collective names, said at first use
         trace.install()
         port = None
         if self.rank == 0 and cfg.master_port is None:

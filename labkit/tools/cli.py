@@ -186,7 +186,29 @@ def doctor() -> dict[str, Any]:
         server.close()
     facts = dict(facts)
     facts["Lab() would choose"] = choose(None, "auto", "auto", facts).reason
+    facts.update(torch_support(facts["torch"]))
     return facts
+
+
+def torch_support(version: str) -> dict[str, Any]:
+    """Whether torch `version` (this process's torch: the fork server and the ranks run the
+    same interpreter) lies in the tested range, the 2.13 names labkit provides on it, and the
+    features it lacks (labkit.rank.torch_compat)."""
+    from labkit.rank import torch_compat
+
+    low, high = torch_compat.TESTED
+    inside = torch_compat.in_range(version)
+    renames = torch_compat.renames_needed()
+    return {
+        "tested range": f"torch {low} to {high}: {version} is "
+        + ("inside" if inside else "OUTSIDE it (labkit may work; nothing checked it)"),
+        "renamed by labkit": ", ".join(f"{n} (= {torch_compat.RENAMES[n]})" for n in renames)
+        or "none (this torch has torch 2.13's names)",
+        "unavailable": {
+            name: f"{why}: no {torch_compat.FEATURES[name][0]}"
+            for name, why in torch_compat.unavailable().items()
+        },
+    }
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
@@ -201,8 +223,14 @@ def cmd_doctor(args: argparse.Namespace) -> int:
         "nccl",
         "mpi",
         "Lab() would choose",
+        "tested range",
+        "renamed by labkit",
     ):
         print(f"{key:>20}: {facts.get(key)}")
+    missing = facts.get("unavailable") or {}
+    print(f"{'unavailable':>20}: {', '.join(missing) or 'none: every feature works'}")
+    for name, why in missing.items():
+        print(f"{'':>22}{name}: {why}")
     return 0
 
 
@@ -235,7 +263,11 @@ def main(argv: list[str] | None = None) -> int:
         "the course site (default: $LABKIT_EXECUTED_DIR, else nothing is written)",
     )
     p.set_defaults(fn=cmd_check)
-    p = sub.add_parser("doctor", help="torch, backends, GPUs and what Lab() would choose")
+    p = sub.add_parser(
+        "doctor",
+        help="torch (inside the tested range?), backends, GPUs, what Lab() would choose, and "
+        "the features this torch lacks",
+    )
     p.set_defaults(fn=cmd_doctor)
     args, unknown = parser.parse_known_args(argv)
     if args.fn is cmd_lab:  # Jupyter's own options go through
