@@ -57,11 +57,15 @@ def _clock() -> float:
 
 
 def _wait_for(device: torch.device) -> None:
-    """On a GPU, wait until the kernels queued so far (a receive, a forward) have run: a GPU
-    runs them after the host queues them, so an event timed on the host would otherwise be the
-    launch, not the work. Nothing to wait for on the CPU, where each op runs when called."""
+    """On a GPU, wait until the kernels queued so far on the current stream (a receive, which
+    torch orders before what follows it there, a forward) have run: a GPU runs them after the
+    host queues them, so an event timed on the host would otherwise be the launch, not the work.
+    The current stream only, not the whole device (`torch.cuda.synchronize`): that would also
+    wait for the sends still in flight on NCCL's streams, which the schedule overlaps with the
+    next F or B, and count them as idle time of this stage. Nothing to wait for on the
+    CPU, where each op runs when called."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
+        torch.cuda.current_stream(device).synchronize()
 
 
 def _check(num_stages: int, num_microbatches: int, schedule: str) -> None:
