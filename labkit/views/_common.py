@@ -198,9 +198,10 @@ def html_table(headers: Sequence[str], rows: Iterable[Sequence[Any]], caption: s
     # cells wrap between words in a narrow output area (an ipywidgets HTML box says nowrap)
     style = "border-collapse:collapse;margin:4px 0;white-space:normal"
     # a table wider than a narrow output area even with its cells wrapped (memory per rank
-    # has 8 columns) scrolls sideways in its own box instead of running past the area
+    # has 8 columns) scrolls sideways in its own box instead of running past the area: the box
+    # is as wide as its container (min-width) but adds no width of its own to it (width 0)
     return (
-        f"<div class='labkit-scroll' style='overflow-x:auto;max-width:100%'>"
+        f"<div class='labkit-scroll' style='overflow-x:auto;width:0;min-width:100%'>"
         f"<table class='labkit' style='{style}'>{cap}<thead><tr>{head}</tr></thead>"
         f"<tbody>{body}</tbody></table></div>"
     )
