@@ -144,7 +144,8 @@ def test_staged_p2p_and_all_to_all_keep_torch_semantics_on_cpu_ranks():
                 assert _equal(got[key], value), (staged, tracing, rank, key, got[key], value)
             assert got["same_tensors"], (staged, rank)
             assert _equal(got["a2a_after_wait"], want["all_to_all"])
-            assert got["before_wait"].tolist() == [-7.0] * 3, (staged, tracing, rank)
+            if staged:  # untouched until wait(); unstaged, gloo may have written it already
+                assert got["before_wait"].tolist() == [-7.0] * 3, (staged, tracing, rank)
             assert got["landing"] == ("host buffer" if staged else "tensor")
             if staged:  # all_to_all's outputs are written at wait(), not when gloo finished
                 assert all(t.tolist() == [-1.0, -1.0] for t in got["a2a_before_wait"])
