@@ -34,6 +34,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # so tests can import the harness
 if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # see "Stop" above
 
+import processes  # noqa: E402
 from load import busy_cpus  # noqa: E402
 from processes import (  # noqa: E402
     Key,
@@ -127,10 +128,12 @@ def notebook_batch(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     runner = key(batch.proc.pid) if batch.proc is not None else None
     if runner is not None:
         _held[NotebookBatch] = {runner}
+        processes.BESIDE.add(runner)  # a test's own count of what it started skips them
     try:
         yield batch
     finally:
         batch.stop()
+        processes.BESIDE.clear()
         keys = _held.pop(NotebookBatch, set())
         if keys:
             _fail_if_left((keys | subtree(keys)) - _reported, "the notebooks' runner")

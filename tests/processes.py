@@ -79,6 +79,16 @@ def descendants(*roots: int, procs: dict[int, tuple[str, int, int]] | None = Non
     return found
 
 
+BESIDE: set[Key] = set()  # processes that run beside the tests (the notebooks' runner)
+
+
+def started_by_tests(procs: dict[int, tuple[str, int, int]] | None = None) -> set[Key]:
+    """This process's live descendants less those running beside the tests (`BESIDE` and
+    everything below them): what the running test and the fixtures it uses started."""
+    procs = table() if procs is None else procs
+    return descendants(procs=procs) - subtree(BESIDE, procs)
+
+
 def subtree(keys: set[Key], procs: dict[int, tuple[str, int, int]] | None = None) -> set[Key]:
     """`keys` still alive, with every live descendant of each."""
     procs = table() if procs is None else procs

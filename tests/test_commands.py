@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import alive, descendants, pid_alive
+from processes import alive, pid_alive, started_by_tests
 
 from labkit import run_command
 from labkit.kernel.cell.commands import end_tree, tree
@@ -41,7 +41,7 @@ def _agent(mode: str) -> list[str]:
 
 
 def _left(before: set[tuple[int, int]]) -> set[tuple[int, int]]:
-    return {k for k in descendants() - before if alive(k)}
+    return {k for k in started_by_tests() - before if alive(k)}
 
 
 @pytest.mark.timeout(60)
@@ -58,7 +58,7 @@ def test_returns_what_subprocess_run_returns() -> None:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", ["obeys", "ignore"])
 def test_timeout_ends_the_command_and_its_children(mode: str) -> None:
-    before = descendants()
+    before = started_by_tests()
     t0 = time.monotonic()
     with pytest.raises(subprocess.TimeoutExpired) as caught:
         run_command(_agent(mode), timeout=3, grace=2)
@@ -76,7 +76,7 @@ def test_timeout_ends_the_command_and_its_children(mode: str) -> None:
 @pytest.mark.timeout(60)
 def test_subprocess_run_leaves_the_children_this_ends() -> None:
     """The defect run_command exists for, shown: the workers outlive subprocess.run."""
-    before = descendants()
+    before = started_by_tests()
     with pytest.raises(subprocess.TimeoutExpired) as caught:
         subprocess.run(_agent("obeys"), capture_output=True, text=True, timeout=3)
     pids = {int(p) for p in (caught.value.output or b"").split()}
@@ -93,7 +93,7 @@ def press_stop() -> None:
 
 @pytest.mark.timeout(60)
 def test_stop_ends_the_tree_and_raises_keyboard_interrupt() -> None:
-    before = descendants()
+    before = started_by_tests()
     seen: list[set[tuple[int, int]]] = []
 
     def stop_once_running() -> None:
@@ -124,7 +124,7 @@ def test_torchrun_stopped_leaves_no_worker(tmp_path: Path) -> None:
     # same ending, covered by the stand-in agent above without waiting out a 25 s timeout)
     (tmp_path / "wait.py").write_text(WAIT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    before = descendants()
+    before = started_by_tests()
     workers: list[int] = []
 
     def watch() -> None:  # note the workers once both run, then press Stop

@@ -7,11 +7,12 @@ import subprocess
 import sys
 import time
 
+import processes
 import pytest
 import torch
 from distributed import run_ranks
 from load import busy_cpus
-from processes import alive, descendants, describe, end, key, wait_gone
+from processes import alive, descendants, describe, end, key, started_by_tests, wait_gone
 
 SLEEP = "import time; time.sleep(60)"
 
@@ -57,6 +58,28 @@ def test_descendants_include_an_orphan_and_end_stops_them_by_key():
     assert wait_gone({orphan}, 0.2) == {orphan}
     assert end({orphan}) == set() and not alive(orphan)
     assert orphan not in descendants()  # a zombie counts as gone
+
+
+def test_what_runs_beside_the_tests_is_not_counted_as_started_by_the_test(monkeypatch):
+    # the notebooks' runner and its kernels are descendants too: a test that counts what it
+    # left running must not count them (a notebook's ranks started meanwhile failed CI)
+    child = f"subprocess.Popen([sys.executable, '-c', {SLEEP!r}])"
+    code = f"import subprocess, sys, time; {child}; {SLEEP}"
+    beside = subprocess.Popen([sys.executable, "-c", code])
+    own = subprocess.Popen([sys.executable, "-c", SLEEP])
+    try:
+        deadline = time.monotonic() + 60
+        while len(descendants() & processes.subtree({key(beside.pid)})) < 2:
+            assert time.monotonic() < deadline, "the grandchild never started"
+            time.sleep(0.05)
+        below = processes.subtree({key(beside.pid)})
+        monkeypatch.setattr(processes, "BESIDE", {key(beside.pid)})
+        mine = started_by_tests()
+        assert key(own.pid) in mine and not below & mine and below <= descendants()
+    finally:
+        end(processes.subtree({key(beside.pid)}) | {key(own.pid)})
+        beside.wait()
+        own.wait()
 
 
 def test_a_reused_pid_is_not_the_same_process():
