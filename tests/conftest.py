@@ -35,6 +35,7 @@ if signal.getsignal(signal.SIGINT) in (signal.SIG_IGN, signal.SIG_DFL, None):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # see "Stop" above
 
 import processes  # noqa: E402
+from distributed import forkserver_pid, stop_forkserver  # noqa: E402
 from load import busy_cpus  # noqa: E402
 from processes import (  # noqa: E402
     Key,
@@ -141,8 +142,11 @@ def notebook_batch(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
 
 def _helpers() -> set[int]:
     """Pids of helpers that live as long as the test process by design."""
-    pid = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
-    return {pid} if pid else set()
+    pids = {
+        getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None),
+        forkserver_pid(),  # run_ranks' ranks are forked from it
+    }
+    return {p for p in pids if p}
 
 
 def _others(procs: dict) -> set[Key]:
@@ -232,6 +236,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     """After every fixture's teardown: a descendant still running fails the run; a temporary
     file of labkit's still there is named (and fails the run with LABKIT_STRICT_FILES=1: not
     yet the default, since no whole run has shown that none is left)."""
+    stop_forkserver()
     helpers = _helpers()
     left = wait_gone({k for k in descendants() if k[0] not in helpers}, ORPHAN_WAIT)
     if left:

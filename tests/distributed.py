@@ -60,8 +60,38 @@ def _entry(fn, rank, world_size, port, args, conn):
             dist.destroy_process_group()
 
 
+def _context() -> mp.context.BaseContext:
+    """A forkserver that has imported torch once: each rank is a fork of it, which starts in
+    tens of milliseconds, where a spawned rank spends ~2 s of CPU importing torch again (the
+    suite starts a few hundred ranks on a 2-core machine). Fork itself is not used: the test
+    process has threads (labs' readers), and a fork of a threaded process may deadlock."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "torch.distributed"])
+    return ctx
+
+
+def forkserver_pid() -> int | None:
+    """The forkserver's pid once started (a helper that lives as long as the test process)."""
+    from multiprocessing import forkserver
+
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+
+
+def stop_forkserver() -> None:
+    """End the forkserver and remove its socket's temporary directory now (at exit would be
+    too late: the session's private TMPDIR that holds it is gone by then)."""
+    from multiprocessing import forkserver, util
+
+    server = forkserver._forkserver
+    if getattr(server, "_forkserver_pid", None) is not None:
+        server._stop()
+    for finalizer in list(util._finalizer_registry.values()):
+        if getattr(finalizer, "_callback", None) is util._remove_temp_dir:
+            finalizer()
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list:
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     port = _free_port()
     conns, procs = {}, {}
     try:
