@@ -40,8 +40,10 @@ def test_each_rank_lists_its_recent_collectives_between_cells(lab, capsys):
         assert [e["seq"] for e in entries] == [before[r] + i for i in range(1, 5)]
         assert all(e["state"] == "completed" and e["input_sizes"] == [[4]] for e in entries)
         assert all(e["group"] == "default_pg" for e in entries)
+    assert got.verdict.kind == "completed" and got.verdict.missing == ()
     text = str(got)
-    assert text.startswith("--- rank 0 ---\n")
+    assert text.startswith("Hang verdict (Flight Recorder): every rank entered and completed")
+    assert "\n--- rank 0 ---\n" in text
     assert f"#{before[0] + 4} broadcast on default_pg" in text
     assert sorted(labkit.flight_recorder(lab, ranks="1", last=2)) == [1]
     with pytest.raises(ValueError, match="last must be a whole number of at least 1"):
@@ -50,8 +52,10 @@ def test_each_rank_lists_its_recent_collectives_between_cells(lab, capsys):
     magics = LabMagics(shell=None)
     magics.lab("logs --fr --lines 1")
     shown = capsys.readouterr().out
+    assert shown.startswith("Hang verdict (Flight Recorder): every rank entered and completed")
+    assert f"(the last: broadcast #{before[1] + 4} of group 0 (default_pg)" in shown
     assert f"#{before[1] + 4} broadcast" in shown and "--- rank 1 ---" in shown
-    assert shown.count("broadcast") == 2 and "all_reduce" not in shown
+    assert shown.count("broadcast") == 3 and "all_reduce" not in shown
     with pytest.raises(UsageError, match="needs a RANK"):
         magics.lab("logs")
     with pytest.raises(UsageError, match="out of range"):
@@ -98,6 +102,13 @@ def test_a_stuck_cell_says_which_collective_rank_0_entered(lab):
     text = str(err.value)
     assert f"rank 0 waits in all_reduce #{seq}" in text  # the watchdog's verdict
     if "no answer within" not in text:  # a saturated machine may leave the stacks out
+        # every rank's recorder merged, first after the watchdog's reason: rank 1 finished
+        # the cell without entering the all_reduce rank 0 waits in
+        assert text.splitlines()[1] == (
+            f"Hang verdict (Flight Recorder): rank 1 never entered all_reduce #{seq} of group 0 "
+            "(default_pg), in [[3]] float; rank 0 entered it."
+        ), text
+        assert f"  rank 1: last entered #{seq - 1} of that group (completed)" in text
         assert "Flight Recorder (torch), last" in text
         assert f"#{seq} all_reduce on default_pg: scheduled, in [[3]] float" in text
     lab.run("x = 1")  # the ranks were restarted; the lab goes on

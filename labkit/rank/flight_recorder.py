@@ -25,7 +25,7 @@ import time
 from typing import Any
 
 from labkit.rank import torch_compat
-from labkit.wire.messages import FrEntry, FrGroup, FrSnapshot
+from labkit.wire.flight_records import FrEntry, FrGroup, FrSnapshot
 
 # entries torch keeps per process (a ring: the oldest go first); a dump of 200 takes ~2 ms,
 # of 2000 ~50 ms (on the heartbeat thread, holding the GIL), so the ring stays small

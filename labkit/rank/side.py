@@ -109,12 +109,16 @@ class SideChannel:
                 self.stop_cell = max(msg["cell"], self.stop_cell or 0)
             elif msg.get("type") == "ask_stacks":
                 text, where, fr = stacks.snapshot(self.busy_cell)
-                answer = Stacks(
-                    type="stacks", id=msg["id"], busy=self.busy_cell, text=text, where=where
+                self.stacks_out.append(
+                    Stacks(
+                        type="stacks",
+                        id=msg["id"],
+                        busy=self.busy_cell,
+                        text=text,
+                        where=where,
+                        fr=fr,
+                    )
                 )
-                if fr is not None:
-                    answer["fr"] = fr
-                self.stacks_out.append(answer)
             elif msg.get("type") == "leave":
                 print(f"labkit rank {self.rank}: leaving: {msg['why']}", file=sys.stderr)
                 self.capture.flush(timeout=1.0)

@@ -25,7 +25,7 @@ from types import FrameType
 
 import labkit
 from labkit.rank import flight_recorder
-from labkit.wire.messages import FrSnapshot
+from labkit.wire.flight_records import FrSnapshot
 
 _PACKAGE = os.path.dirname(os.path.abspath(labkit.__file__))
 _ROOT = os.path.dirname(_PACKAGE)

@@ -42,16 +42,17 @@ between the kernel and its fork server, as one JSON object per line over the ser
 
 Every rank -> kernel message also carries `rank` and `gen` (`FromRank`), added by the rank's
 `reply()`/`send_side()`; the kernel drops messages of an older generation. `RankErrorInfo`
-(in `Done` and `Fatal`), `DisplayInfo` (in `Done`) and `FrSnapshot` (in `Stacks`) are parts of
-messages, not messages.
+(in `Done` and `Fatal`) and `DisplayInfo` (in `Done`) are parts of messages, not messages.
 No tag names two messages (tests/test_wire.py checks it): the fork server's hello is `facts`.
 
-Imports only the standard library.
+Imports only the standard library and labkit.wire.flight_records (a part of `Stacks`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
+
+from labkit.wire.flight_records import FrSnapshot
 
 # -- parts of messages -------------------------------------------------------------------------
 
@@ -271,50 +272,13 @@ class Status(_Status, total=False):
     received: float  # set by the kernel on arrival (its monotonic clock); never sent
 
 
-class FrEntry(TypedDict):
-    """One collective torch's Flight Recorder holds, as labkit.rank.flight_recorder gives it."""
-
-    seq: int  # the group's collective sequence number, or its p2p one (`p2p`)
-    p2p: bool  # a point-to-point op: numbered apart from the group's collectives
-    op: str  # "all_reduce", "send", ...
-    group: str  # the group's description ("default_pg", or what `new_group` was told)
-    group_id: str  # the group's name in torch ("0", "1", ...): unique, unlike the description
-    record_id: int | None  # the entry's place in the rank's recorder (grows by 1 per entry)
-    state: str  # "completed", or "scheduled"/"started": entered, not finished
-    input_sizes: Any
-    output_sizes: Any
-    dtypes: list[str] | None
-    duration_ms: float | None  # measured on GPUs (CUDA events), None with gloo
-    created_ns: int | None  # when the rank entered it (its wall clock, ns)
-    run_ms: float | None
-
-
-class FrGroup(TypedDict):
-    """A process group a rank belongs to: its description and its members (global ranks)."""
-
-    desc: str
-    ranks: list[int]
-
-
-class FrSnapshot(TypedDict):
-    """A rank's Flight Recorder: its entries oldest first (or why it has none), whether the
-    ring had wrapped (older entries lost), and the groups the rank belongs to by group_id."""
-
-    entries: list[FrEntry] | str
-    wrapped: bool
-    groups: dict[str, FrGroup]
-
-
-class _Stacks(FromRank):
+class Stacks(FromRank):
     type: Literal["stacks"]
     id: int  # the `AskStacks` answered
     busy: int | None  # the cell running, or None when idle
     text: str  # every thread's stack, main thread first, innermost frame first (rank.stacks)
     where: str | None  # the main thread's cell line ("line 3: time.sleep(60)"), if any
-
-
-class Stacks(_Stacks, total=False):
-    fr: FrSnapshot  # the Flight Recorder, for the kernel's hang verdict; absent when it is off
+    fr: FrSnapshot | None  # the Flight Recorder, for the kernel's hang verdict; None when off
 
 
 # -- the debugger: kernel <-> rank, ctrl socket (labkit.rank.debugger, kernel.inspection.debug) --

@@ -195,7 +195,9 @@ class CellRun:
         if outcome.stuck is not None:
             found = stacks.verdict
             outcome.verdict = found.text if found is not None else ""
-            unfinished = {r: t for r, t in stacks.items() if r not in self.replies}
+            unfinished = {
+                r: t for r, t in stacks.items() if r in self.targets and r not in self.replies
+            }
             outcome.stacks = stuck_text(type(stacks)(unfinished, {}, stacks.answered), when)
 
     def _alive(self) -> list[int]:

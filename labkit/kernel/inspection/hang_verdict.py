@@ -183,6 +183,7 @@ def verdict(
     found: list[tuple[Any, HangVerdict]] = []
     unfinished: list[tuple[Any, HangVerdict]] = []
     last: tuple[Any, str] | None = None
+    unknown: set[int] = set()  # members of some group whose entries did not come
     for gid, by_rank in sorted(coll.items()):
         if gid in groups:
             members = set(groups[gid]["ranks"])
@@ -195,11 +196,18 @@ def verdict(
                 f"recorded it ({', '.join(map(str, sorted(members)))}) are expected in it"
             )
         judged = sorted(r for r in members if r in usable)
+        unread = sorted(members - set(usable))  # members whose entries did not come
+        unknown |= set(unread)
         lost = [r for r in judged if r in wrapped and r not in by_rank]
         if lost:
             notes.append(
-                f"group {gid} ({desc[gid]}): {_ranks(lost)} hold no entry of it and their "
-                "rings wrapped (older entries are lost): not judged"
+                f"group {gid} ({desc[gid]}): {_ranks(lost)} "
+                + (
+                    "holds no entry of it and its ring"
+                    if len(lost) == 1
+                    else "hold no entry of it and their rings"
+                )
+                + " wrapped (older entries are lost): not judged"
             )
         judged = [r for r in judged if r not in lost]
         held = {r: by_rank.get(r, {}) for r in judged}
@@ -233,6 +241,12 @@ def verdict(
                     f"on {_ranks(not_done)}: the ranks agree, so it waits in the transport "
                     "(gloo, NCCL, a GPU kernel); see the stacks"
                 )
+                if unread:  # they may be the ones that never entered it: say so, not "agree"
+                    text = (
+                        f"{_ranks(judged)} entered {_what(any_e, gid)} alike, and it has not "
+                        f"completed on {_ranks(not_done)}; whether {_ranks(unread)} of its "
+                        "members entered it is not known (no entries came from them)"
+                    )
                 found_here = HangVerdict(
                     "unfinished", text, gid, any_e.get("group"), seq, any_e["op"],
                     entered=tuple(sorted(present)),
@@ -251,8 +265,9 @@ def verdict(
             + " (p2p ops are numbered apart and pair two ranks: check each send has its recv)"
         )
         return _finish("p2p", text, notes, waiting=waiting)
+    who = "every rank" if not unknown else f"every rank but {', '.join(map(str, sorted(unknown)))}"
     text = (
-        "every rank entered and completed the same collectives (the last: "
+        f"{who} entered and completed the same collectives (the last: "
         f"{last[1] if last else '-'}): none is stuck in one, so {ELSEWHERE}"
     )
     return _finish("completed", text, notes)

@@ -64,7 +64,8 @@ class RankStacks(dict):
         return merge(snaps, where=self.where, world=list(self))
 
     def __str__(self) -> str:
-        found = self.verdict
+        # the verdict while a cell runs (between cells no rank can hang: %lab logs --fr has it)
+        found = self.verdict if any(self.where.values()) else None
         head = f"{found.text}\n" if found is not None else ""
         return head + "\n".join(f"--- rank {r} ---\n{text}" for r, text in self.items())
 
@@ -101,7 +102,7 @@ def gather(
     for r in ranks:
         if r in got:
             texts[r], where[r] = got[r]["text"], got[r]["where"]
-            if "fr" in got[r]:
+            if got[r].get("fr") is not None:  # None: the rank's recorder is off
                 fr[r] = got[r]["fr"]
         elif r in channel.dead:
             texts[r] = _dead_text(channel.dead[r])
