@@ -81,6 +81,11 @@ def _ranks(ranks: Any) -> str:
     return f"rank{'s' if len(ranks) != 1 else ''} {', '.join(map(str, ranks))}"
 
 
+def _group(gid: str, desc: Any) -> str:
+    """ "group 0 (default_pg)"; "group 1" for a group made without a description."""
+    return f"group {gid}" if desc in (None, "", "undefined", "?") else f"group {gid} ({desc})"
+
+
 def _dtypes(e: dict[str, Any]) -> str:
     return ",".join(sorted(set(e.get("dtypes") or []))).lower() or "-"
 
@@ -93,7 +98,7 @@ def _what(e: dict[str, Any], gid: str) -> str:
     """ "all_reduce #7 of group 0 (default_pg), in [[4]] float"."""
     kind = " p2p" if e.get("p2p") else ""
     return (
-        f"{e['op']}{kind} #{e['seq']} of group {gid} ({e.get('group', '?')}), "
+        f"{e['op']}{kind} #{e['seq']} of {_group(gid, e.get('group'))}, "
         f"in {e.get('input_sizes')} {_dtypes(e)}"
     )
 
@@ -192,7 +197,7 @@ def verdict(
         else:
             members = set(by_rank)
             notes.append(
-                f"group {gid} ({desc[gid]}): its members are not known; only the ranks that "
+                f"{_group(gid, desc[gid])}: its members are not known; only the ranks that "
                 f"recorded it ({', '.join(map(str, sorted(members)))}) are expected in it"
             )
         judged = sorted(r for r in members if r in usable)
@@ -201,7 +206,7 @@ def verdict(
         lost = [r for r in judged if r in wrapped and r not in by_rank]
         if lost:
             notes.append(
-                f"group {gid} ({desc[gid]}): {_ranks(lost)} "
+                f"{_group(gid, desc[gid])}: {_ranks(lost)} "
                 + (
                     "holds no entry of it and its ring"
                     if len(lost) == 1
@@ -217,7 +222,7 @@ def verdict(
         start, end = max(starts), max(max(s) for s in held.values() if s)
         if start > 1 and any(r in wrapped for r in judged):
             notes.append(
-                f"group {gid} ({desc[gid]}): a ring wrapped; compared from #{start} "
+                f"{_group(gid, desc[gid])}: a ring wrapped; compared from #{start} "
                 "(older entries are lost on some rank)"
             )
         open_at: tuple[Any, HangVerdict] | None = None  # the group's first unfinished one
@@ -288,7 +293,7 @@ def _diverged(gid, seq, present, absent, diffs, held, usable, where) -> HangVerd
                 values = ", ".join(f"{v} on {_ranks(rs)}" for v, rs in m.values.items())
             parts.append(f"{m.what}s: {values}")
         text = (
-            f"the ranks entered #{seq} of group {gid} ({any_e.get('group')}) with different "
+            f"the ranks entered #{seq} of {_group(gid, any_e.get('group'))} with different "
             + "; ".join(parts)
         )
         if absent:
