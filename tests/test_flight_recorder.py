@@ -91,8 +91,31 @@ def test_the_stacks_show_rank_0_inside_all_reduce_n_while_rank_1_never_called_it
     stacks = found[0]
     assert "Flight Recorder (torch), last" in stacks[1]
     assert f"#{seq - 1} " in stacks[1] and f"#{seq} " not in stacks[1]  # rank 1 never entered
+    # the same, merged: printed first while the cell runs, with the line rank 1 is on
+    assert stacks.verdict.kind == "missing" and stacks.verdict.key == ("0", seq)
+    assert stacks.verdict.missing == (1,) and stacks.verdict.entered == (0,)
+    verdict = str(stacks).split("--- rank 0 ---")[0]
+    assert verdict.startswith("Hang verdict (Flight Recorder): rank 1 never entered all_reduce")
+    assert "; now at line " in verdict  # its wait loop, lines 4-5 of the cell
     after = labkit.flight_recorder(lab, last=1)  # both completed it once rank 1 came
     assert all(e[-1]["seq"] == seq and e[-1]["state"] == "completed" for e in after.values())
+
+
+def test_the_verdict_between_cells_names_the_rank_that_never_entered(lab, capsys):
+    seq = _last_seq(lab)[0] + 1
+    # rank 0 starts an all_reduce it does not wait for; rank 1 never calls it: the cell ends
+    lab.run("pending = dist.all_reduce(torch.ones(5), async_op=True) if rank == 0 else None")
+    got = labkit.flight_recorder(lab, last=1).verdict
+    assert got.kind == "missing" and got.key == ("0", seq) and got.op == "all_reduce"
+    assert got.missing == (1,) and got.entered == (0,)
+    LabMagics(shell=None).lab("logs --fr --lines 1")
+    assert capsys.readouterr().out.startswith(
+        f"Hang verdict (Flight Recorder): rank 1 never entered all_reduce #{seq} of group 0 "
+        "(default_pg), in [[5]] float; rank 0 entered it.\n"
+        f"  rank 1: last entered #{seq - 1} of that group (completed)\n"
+    )
+    lab.run("if rank == 1:\n    dist.all_reduce(torch.ones(5))\nelse:\n    pending.wait()")
+    assert labkit.flight_recorder(lab, last=1).verdict.kind == "completed"
 
 
 def test_a_stuck_cell_says_which_collective_rank_0_entered(lab):
