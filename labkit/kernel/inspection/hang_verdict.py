@@ -82,7 +82,8 @@ def _ranks(ranks: Any) -> str:
 
 
 def _group(gid: str, desc: Any) -> str:
-    """ "group 0 (default_pg)"; "group 1" for a group made without a description."""
+    """A group as the verdict names it: `group 0 (default_pg)`, or `group 1` for one made
+    without a description (torch calls it "undefined")."""
     return f"group {gid}" if desc in (None, "", "undefined", "?") else f"group {gid} ({desc})"
 
 
@@ -95,7 +96,7 @@ def _value(e: dict[str, Any], key: str) -> str:
 
 
 def _what(e: dict[str, Any], gid: str) -> str:
-    """ "all_reduce #7 of group 0 (default_pg), in [[4]] float"."""
+    """An entry as the verdict names it: `all_reduce #7 of group 0 (default_pg), in [[4]] float`."""
     kind = " p2p" if e.get("p2p") else ""
     return (
         f"{e['op']}{kind} #{e['seq']} of {_group(gid, e.get('group'))}, "
@@ -278,7 +279,17 @@ def verdict(
     return _finish("completed", text, notes)
 
 
-def _diverged(gid, seq, present, absent, diffs, held, usable, where) -> HangVerdict:
+def _diverged(
+    gid: str,
+    seq: int,
+    present: dict[int, dict[str, Any]],
+    absent: list[int],
+    diffs: tuple[Mismatch, ...],
+    held: dict[int, dict[int, dict[str, Any]]],
+    usable: dict[int, list[dict[str, Any]]],
+    where: dict[int, str | None],
+) -> HangVerdict:
+    """The verdict on the first collective of a group where the members diverged."""
     any_e = next(iter(present.values()))
     if diffs:
         parts = []
@@ -353,8 +364,9 @@ def _finish(
 def merge(
     snapshots: dict[int, Any], where: dict[int, str | None] | None = None, world: Any = None
 ) -> HangVerdict:
-    """The verdict from each rank's `FrSnapshot` (labkit.wire.messages; what a rank's stacks
-    and its `flight_recorder.snapshot()` carry), a str (why a rank has none), or None (off)."""
+    """The verdict from each rank's `FrSnapshot` (labkit.wire.flight_records: what a rank's
+    stacks and its `flight_recorder.snapshot()` carry), a str (why a rank has none), or None
+    (its recorder is off). Group members are the union of what each member rank reports."""
     recorded: dict[int, Any] = {}
     groups: dict[str, dict[str, Any]] = {}
     wrapped = set()
