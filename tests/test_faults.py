@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import _thread
 import os
+import re
 import sys
 import threading
 import time
@@ -145,9 +146,9 @@ def test_rank_subset_cell_calling_a_collective(lab):
         with expect_fault(lab, "rank 3 is not running this cell") as info:
             lab.run("dist.all_reduce(torch.ones(1))", ranks="0-2")
     if "no answer within" not in str(info.value):  # rank 3, not asked to run it, is asked too
-        assert "Hang verdict (Flight Recorder): rank 3 never entered all_reduce #" in str(
-            info.value
-        )
+        # (on a loaded machine a slow target may not have entered it yet either: named too)
+        text = str(info.value)
+        assert re.search(r"\(Flight Recorder\): ranks? [\d, ]*3 never entered all_re", text), text
 
 
 # -- Stop (the notebook's interrupt) ---------------------------------------------------------
@@ -160,8 +161,8 @@ def test_stop_during_a_blocked_collective(lab):
             )
     text = str(info.value)
     if "no answer within" not in text:  # the stacks asked at Stop carry every rank's recorder
-        assert "Hang verdict (Flight Recorder): rank 0 never entered all_reduce #" in text, text
-        assert "ranks 1, 2, 3 entered it" in text and "now at line 3: time.sleep(60)" in text
+        assert re.search(r"\(Flight Recorder\): ranks? 0[\d, ]* never entered all_re", text), text
+        assert "; now at line 3: time.sleep(60)" in text, text
 
 
 def test_stop_during_a_busy_loop_keeps_variables(lab):
