@@ -129,6 +129,49 @@ def test_the_earliest_divergence_is_named_first_across_groups():
     assert got.key == ("5", 1) and got.missing == (1,)
 
 
+def test_a_rank_waiting_in_another_groups_collective_is_not_blamed_before_the_cause():
+    # a 2 x 2 mesh: tp groups 1 = {0, 1}, 2 = {2, 3}; dp groups 3 = {0, 2}, 4 = {1, 3}. Rank 3
+    # stops in its own code after tp #4; rank 2 waits in tp #5 for it, so it never enters dp #1,
+    # which rank 0 entered first (t=5100, before rank 2 entered tp #5 at t=5500). The cause is
+    # rank 3, not rank 2: before review the verdict said "rank 2 never entered ... group 3"
+    groups = {
+        "1": {"desc": "tp", "ranks": [0, 1]},
+        "2": {"desc": "tp", "ranks": [2, 3]},
+        "3": {"desc": "dp", "ranks": [0, 2]},
+        "4": {"desc": "dp", "ranks": [1, 3]},
+    }
+
+    def tp(n, gid, last="completed"):
+        return [e(s, gid=gid) for s in range(1, n)] + [e(n, gid=gid, state=last)]
+
+    recorded = {
+        0: tp(5, "1") + [e(1, gid="3", state="scheduled", created_ns=5100)],
+        1: tp(5, "1") + [e(1, gid="4", state="scheduled", created_ns=5100)],
+        2: tp(4, "2") + [e(5, gid="2", state="scheduled", created_ns=5500)],
+        3: tp(4, "2"),
+    }
+    got = verdict(recorded, groups, where={3: "line 9: loss.backward()"})
+    assert got.kind == "missing" and got.missing == (3,) and got.key in (("2", 5), ("4", 1))
+    assert "rank 2 never entered" not in got.text
+    assert "rank 3: last entered #4 of that group (completed); now at line 9" in got.text or (
+        "rank 3: entered no collective of this group; now at line 9" in got.text
+    )
+    # rank 3 died (no answer): rank 2 is still not blamed; the group rank 3 is in is named
+    del recorded[3]
+    got = verdict(recorded, groups, world=[0, 1, 2, 3])
+    assert got.kind == "unfinished" and 2 not in got.missing, got.text
+    assert "whether rank 3 of its members entered it is not known" in got.text
+    # a pipeline stage waiting in a recv never enters the dp all_reduce: the only finding,
+    # it is given, with the recv the rank waits in (p2p ops are not matched)
+    recv = e(1, op="recv", p2p=True, state="scheduled", gid="2", created_ns=6000)
+    got = verdict({0: [e(1, gid="3", state="scheduled")], 2: [recv], 3: []}, groups)
+    assert got.kind == "missing" and got.key == ("3", 1) and got.missing == (2,)
+    assert "rank 2: entered no collective of this group; waiting in recv p2p #1" in got.text
+    # a slow rank still inside an earlier collective of the same group is named, as before
+    got = verdict({0: upto(7, "scheduled"), 1: upto(6, "scheduled")})
+    assert got.kind == "missing" and got.missing == (1,)
+
+
 def test_p2p_ops_have_their_own_numbers_and_are_named_when_waiting():
     send = e(1, op="send 0->1", p2p=True, state="scheduled")
     recv = e(1, op="send 1->0", p2p=True, state="scheduled")  # both send first: a deadlock

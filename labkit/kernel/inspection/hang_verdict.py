@@ -14,7 +14,9 @@ compared by shape.
 The verdict, first thing, is one of:
 - `missing`: the first collective (by when it was entered) that some members never entered,
   with the ranks that did and what the others did last ("ranks 1, 3 never entered all_reduce
-  #7 of group 0 (default_pg)");
+  #7 of group 0 (default_pg)"); a divergence whose missing ranks all wait inside another
+  group's op (a tp rank stuck in its tp all_reduce never enters the dp one) is that op's
+  consequence, and comes after every other finding;
 - `mismatch`: members entered the same sequence number with a different op, shape or dtype
   (both named, with their ranks);
 - `unfinished`: every member entered the same collective alike and it has not completed;
@@ -141,6 +143,14 @@ def _differences(present: dict[int, dict[str, Any]]) -> tuple[Mismatch, ...]:
     return tuple(found)
 
 
+def _elsewhere(got: list[dict[str, Any]], gid: str) -> bool:
+    """Whether a rank waits inside an op of another group, or a p2p op: its latest entry
+    has not completed (a slow rank still inside an earlier collective of `gid` is not)."""
+    if not got or got[-1].get("state") == "completed":
+        return False
+    return bool(got[-1].get("p2p")) or str(got[-1].get("group_id", "?")) != gid
+
+
 def _last_of(rank: int, usable: dict[int, list[dict[str, Any]]], gid: str, held: Any) -> str:
     """What a rank that never entered a collective did last: in that group, and where it is."""
     if held:
@@ -186,7 +196,7 @@ def verdict(
         text = f"no rank has entered a collective yet; {ELSEWHERE}"
         return _finish("completed", text, notes)
     coll, waiting, desc = _index(usable)
-    found: list[tuple[Any, HangVerdict]] = []
+    found: list[tuple[Any, HangVerdict]] = []  # ((class, created_ns, gid, seq), verdict)
     unfinished: list[tuple[Any, HangVerdict]] = []
     last: tuple[Any, str] | None = None
     unknown: set[int] = set()  # members of some group whose entries did not come
@@ -236,8 +246,14 @@ def verdict(
             order = (min((e.get("created_ns") or 0) for e in present.values()), gid, seq)
             diffs = _differences(present)
             if absent or diffs:
+                # ranks that never entered it because they wait inside another group's op are
+                # victims of that one: such a divergence ranks after every other finding
+                victims = not diffs and all(_elsewhere(usable[r], gid) for r in absent)
                 found.append(
-                    (order, _diverged(gid, seq, present, absent, diffs, held, usable, where))
+                    (
+                        (2 if victims else 0, *order),
+                        _diverged(gid, seq, present, absent, diffs, held, usable, where),
+                    )
                 )
                 break
             not_done = [r for r, e in present.items() if e.get("state") != "completed"]
@@ -257,11 +273,14 @@ def verdict(
                     "unfinished", text, gid, any_e.get("group"), seq, any_e["op"],
                     entered=tuple(sorted(present)),
                 )  # fmt: skip
-                open_at = (order, found_here)
+                open_at = ((1, *order), found_here)
             last = max(last or (order, ""), (order, _what(any_e, gid)))
         if open_at is not None:
             unfinished.append(open_at)
-    first = min(found or unfinished or [(None, None)], key=lambda x: x[0] or ())[1]
+    # the first finding: a divergence whose missing ranks are not inside another collective
+    # (or a mismatch), else a collective every member entered, else one whose missing ranks
+    # wait in another; by when it was entered within each
+    first = min(found + unfinished or [(None, None)], key=lambda x: x[0] or ())[1]
     if first is not None:
         return _finish(first.kind, first.text, notes, first, waiting)
     if waiting:
@@ -310,16 +329,9 @@ def _diverged(
         if absent:
             text += f"; {_ranks(absent)} never entered it"
         return HangVerdict(
-            "mismatch",
-            text,
-            gid,
-            any_e.get("group"),
-            seq,
-            any_e["op"],
-            tuple(absent),
-            tuple(sorted(present)),
-            diffs,
-        )
+            "mismatch", text, gid, any_e.get("group"), seq, any_e["op"],
+            tuple(absent), tuple(sorted(present)), diffs,
+        )  # fmt: skip
     said: dict[str, list[int]] = {}
     for r in absent:
         at = where.get(r)
@@ -328,15 +340,9 @@ def _diverged(
     text = f"{_ranks(absent)} never entered {_what(any_e, gid)}; {_ranks(present)} entered it"
     text += "".join(f"\n  {_ranks(rs)}: {line}" for line, rs in said.items())
     return HangVerdict(
-        "missing",
-        text,
-        gid,
-        any_e.get("group"),
-        seq,
-        any_e["op"],
-        tuple(absent),
-        tuple(sorted(present)),
-    )
+        "missing", text, gid, any_e.get("group"), seq, any_e["op"],
+        tuple(absent), tuple(sorted(present)),
+    )  # fmt: skip
 
 
 def _finish(
