@@ -183,6 +183,26 @@ def test_p2p_ops_have_their_own_numbers_and_are_named_when_waiting():
     assert verdict({0: [e(1), send], 1: [e(1)]}).kind == "p2p"
 
 
+def test_nccl_coalesced_p2p_ops_are_settled_by_their_coalesced_entry():
+    # NCCL records each op of a batch_isend_irecv under the group's p2p number and never
+    # retires it; the `coalesced` entry with the same number is retired when the batch is done
+    # (torch's analyser pairs them the same way). Before review every such op read "waiting"
+    def batch(op, state):
+        parts = [e(1, op=op, p2p=True, state="scheduled", record_id=3)]
+        return parts + [e(1, op="coalesced", p2p=True, state=state, record_id=4)]
+
+    done = verdict(
+        {0: upto(2) + batch("send", "completed"), 1: upto(2) + batch("recv", "completed")}
+    )
+    assert done.kind == "completed" and done.waiting == {}, done.text
+    stuck = verdict({0: upto(2) + batch("send", "scheduled"), 1: upto(2)})
+    assert stuck.kind == "p2p" and set(stuck.waiting) == {0}
+    assert "rank 0 in coalesced p2p #1 of group 0 (default_pg)" in stuck.text
+    # collectives: the retired `coalesced` entry stands for the ops before it
+    ops = [e(3, op="_allgather_base", state="scheduled"), e(3, op="coalesced")]
+    assert verdict({0: upto(2) + ops, 1: upto(2) + ops}).kind == "completed"
+
+
 def test_every_rank_completed_the_same_collectives():
     got = verdict({0: upto(5), 1: upto(5), 2: upto(5)})
     assert got.kind == "completed" and got.key is None and got.missing == ()

@@ -110,19 +110,24 @@ def _index(
     usable: dict[int, list[dict[str, Any]]],
 ) -> tuple[dict[str, dict[int, dict[int, dict[str, Any]]]], dict[int, str], dict[str, str]]:
     """{group_id: {rank: {seq: entry}}} of collectives, {rank: p2p ops still waiting}, and
-    each group's description. A later entry with the same key wins (a group made again)."""
+    each group's description. A later entry with the same key wins: a group made again, or
+    NCCL's coalesced ops (batch_isend_irecv, a coalescing manager), each op recorded under the
+    group's number and never retired, then one `coalesced` entry that is, with the same number."""
     coll: dict[str, dict[int, dict[int, dict[str, Any]]]] = {}
     waiting: dict[int, str] = {}
     desc: dict[str, str] = {}
     for r, got in usable.items():
+        p2p: dict[tuple[str, int], dict[str, Any]] = {}
         for e in got:
             gid = str(e.get("group_id", e.get("group", "?")))
             desc.setdefault(gid, str(e.get("group", "?")))
             if e.get("p2p"):
-                if e.get("state") != "completed":
-                    waiting[r] = _what(e, gid)
+                p2p[(gid, e["seq"])] = e
                 continue
             coll.setdefault(gid, {}).setdefault(r, {})[e["seq"]] = e
+        for (gid, _), e in p2p.items():
+            if e.get("state") != "completed":
+                waiting[r] = _what(e, gid)
     return coll, waiting, desc
 
 
