@@ -203,6 +203,27 @@ def test_nccl_coalesced_p2p_ops_are_settled_by_their_coalesced_entry():
     assert verdict({0: upto(2) + ops, 1: upto(2) + ops}).kind == "completed"
 
 
+def test_entries_of_unnamed_groups_are_not_matched():
+    # gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL (torch 2.13, seen in a run): every entry has group
+    # name "", the default group's, a subgroup's and the wrapper's fingerprint all_gathers alike,
+    # their numbers colliding. Rank 0 is in subgroup {0, 1}, rank 2 is not: before review their
+    # all_reduce #1 (default) and #1 (subgroup) were matched as "different shapes"
+    def checked(seq, sizes):
+        return [
+            e(3, op="all_gather", gid=""),
+            e(4, op="all_gather", gid=""),
+            e(seq, sizes=sizes, gid=""),
+        ]
+
+    default, sub = checked(1, ((3,),)), checked(1, ((2,),))
+    got = verdict({0: default + sub, 1: default + sub, 2: default})
+    assert got.kind == "unknown" and got.mismatches == (), got.text
+    assert "ranks 0, 1, 2: entries of no named group" in got.text
+    # named groups beside them are still judged
+    got = verdict({0: upto(2, "scheduled") + default, 1: upto(1) + default})
+    assert got.kind == "missing" and got.key == ("0", 2) and got.missing == (1,)
+
+
 def test_every_rank_completed_the_same_collectives():
     got = verdict({0: upto(5), 1: upto(5), 2: upto(5)})
     assert got.kind == "completed" and got.key is None and got.missing == ()
@@ -247,7 +268,7 @@ def test_a_wrapped_ring_is_compared_from_where_every_rank_still_has_entries():
     groups = {"5": {"desc": "x", "ranks": [0, 1]}}
     got = verdict({0: [e(1)], 1: [e(1), sub]}, groups, wrapped={0})
     assert got.kind == "unfinished" and got.key == ("5", 1) and got.missing == ()
-    assert "rank 0 holds no entry of it and its ring wrapped (older entries" in got.text
+    assert "rank 0: no entry of it, and a wrapped ring (older entries are lost)" in got.text
 
 
 def test_merge_reads_snapshots_and_unions_group_members():

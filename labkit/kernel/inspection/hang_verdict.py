@@ -39,6 +39,9 @@ ELSEWHERE = (
     "a hang is elsewhere: see where each rank's main thread is (the stacks, lab.stacks()); "
     "gloo records no send/recv, so a point-to-point wait shows only there"
 )
+# gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL (torch 2.13): every group's entries, and those of the
+# wrapper's own checks (all_gathers of each call's fingerprint), have group name "" (seen in a run)
+UNNAMED = "entries of no named group (so under TORCH_DISTRIBUTED_DEBUG=DETAIL): not compared"
 _FIELDS = (("op", "op"), ("shape", "input_sizes"), ("dtype", "dtypes"))
 
 
@@ -108,18 +111,23 @@ def _what(e: dict[str, Any], gid: str) -> str:
 
 def _index(
     usable: dict[int, list[dict[str, Any]]],
-) -> tuple[dict[str, dict[int, dict[int, dict[str, Any]]]], dict[int, str], dict[str, str]]:
+) -> tuple[dict[str, dict[int, dict[int, dict[str, Any]]]], dict[int, str], dict[str, str], Any]:
     """{group_id: {rank: {seq: entry}}} of collectives, {rank: p2p ops still waiting}, and
     each group's description. A later entry with the same key wins: a group made again, or
     NCCL's coalesced ops (batch_isend_irecv, a coalescing manager), each op recorded under the
-    group's number and never retired, then one `coalesced` entry that is, with the same number."""
+    group's number and never retired, then one `coalesced` entry that is, with the same number.
+    Entries of unnamed groups (UNNAMED) are left out, their ranks returned."""
     coll: dict[str, dict[int, dict[int, dict[str, Any]]]] = {}
+    unnamed: set[int] = set()
     waiting: dict[int, str] = {}
     desc: dict[str, str] = {}
     for r, got in usable.items():
         p2p: dict[tuple[str, int], dict[str, Any]] = {}
         for e in got:
             gid = str(e.get("group_id", e.get("group", "?")))
+            if not gid:
+                unnamed.add(r)
+                continue
             desc.setdefault(gid, str(e.get("group", "?")))
             if e.get("p2p"):
                 p2p[(gid, e["seq"])] = e
@@ -128,7 +136,7 @@ def _index(
         for (gid, _), e in p2p.items():
             if e.get("state") != "completed":
                 waiting[r] = _what(e, gid)
-    return coll, waiting, desc
+    return coll, waiting, desc, unnamed
 
 
 def _differences(present: dict[int, dict[str, Any]]) -> tuple[Mismatch, ...]:
@@ -200,7 +208,11 @@ def verdict(
             return _finish("unknown", "no verdict: no rank's Flight Recorder could be read", notes)
         text = f"no rank has entered a collective yet; {ELSEWHERE}"
         return _finish("completed", text, notes)
-    coll, waiting, desc = _index(usable)
+    coll, waiting, desc, unnamed = _index(usable)
+    if unnamed:
+        notes.append(f"{_ranks(unnamed)}: {UNNAMED}")
+        if not coll and not waiting:
+            return _finish("unknown", "no verdict: no entry names its group", notes)
     found: list[tuple[Any, HangVerdict]] = []  # ((class, created_ns, gid, seq), verdict)
     unfinished: list[tuple[Any, HangVerdict]] = []
     last: tuple[Any, str] | None = None
@@ -221,15 +233,8 @@ def verdict(
         unknown |= set(unread)
         lost = [r for r in judged if r in wrapped and r not in by_rank]
         if lost:
-            notes.append(
-                f"{_group(gid, desc[gid])}: {_ranks(lost)} "
-                + (
-                    "holds no entry of it and its ring"
-                    if len(lost) == 1
-                    else "hold no entry of it and their rings"
-                )
-                + " wrapped (older entries are lost): not judged"
-            )
+            said = "no entry of it, and a wrapped ring (older entries are lost): not judged"
+            notes.append(f"{_group(gid, desc[gid])}: {_ranks(lost)}: {said}")
         judged = [r for r in judged if r not in lost]
         held = {r: by_rank.get(r, {}) for r in judged}
         starts = [min(s) for s in held.values() if s]
@@ -363,12 +368,8 @@ def _finish(
     if waiting and kind != "p2p":
         lines += [f"  {_ranks([r])} also waits in {w}" for r, w in sorted(waiting.items())]
     lines += [f"  ({n})" for n in notes]
-    data = {}
-    if found is not None:
-        data = {
-            k: getattr(found, k)
-            for k in ("group_id", "group", "seq", "op", "missing", "entered", "mismatches")
-        }
+    keys = ("group_id", "group", "seq", "op", "missing", "entered", "mismatches")
+    data = {k: getattr(found, k) for k in keys} if found is not None else {}
     return HangVerdict(kind, "\n".join(lines), waiting=waiting, notes=tuple(notes), **data)
 
 
