@@ -41,7 +41,7 @@ ELSEWHERE = (
 )
 # gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL (torch 2.13): every group's entries, and those of the
 # wrapper's own checks (all_gathers of each call's fingerprint), have group name "" (seen in a run)
-UNNAMED = "entries of no named group (so under TORCH_DISTRIBUTED_DEBUG=DETAIL): not compared"
+UNNAMED = "entries of no named group (TORCH_DISTRIBUTED_DEBUG=DETAIL records them so): not compared"
 _FIELDS = (("op", "op"), ("shape", "input_sizes"), ("dtype", "dtypes"))
 
 
