@@ -90,11 +90,16 @@ def test_the_same_sequence_number_with_a_different_op_shape_or_dtype(rank0, what
     assert "entered #3 of group 0 (default_pg) with " + said in got.text
 
 
-def test_all_to_all_sizes_may_differ_by_design():
-    a = e(1, op="all_to_all", sizes=((2,), (2,)), state="scheduled")
-    b = e(1, op="all_to_all", sizes=((1,), (3,)), state="scheduled")
+@pytest.mark.parametrize("op", ["all_to_all", "all_to_all_single", "all_gather_v"])
+def test_all_to_all_sizes_may_differ_by_design(op):
+    # each rank's input to an uneven all_gather is its own chunk (NCCL names it all_gather_v)
+    a = e(1, op=op, sizes=((2,), (2,)), state="scheduled")
+    b = e(1, op=op, sizes=((1,), (3,)), state="scheduled")
     got = verdict({0: [a], 1: [b]})
     assert got.kind == "unfinished" and got.mismatches == ()
+    # an even all_gather's inputs must agree
+    got = verdict({0: [e(1, op="all_gather", sizes=((2,),))], 1: [e(1, op="all_gather")]})
+    assert got.kind == "mismatch" and got.mismatches[0].what == "shape"
 
 
 def test_a_subgroup_expects_only_its_members():

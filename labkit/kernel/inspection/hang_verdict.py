@@ -34,7 +34,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 TITLE = "Hang verdict (Flight Recorder)"
-UNSIZED = ("all_to_all", "alltoall", "scatter", "gather")  # sizes may differ rank to rank
+# input sizes that may differ rank to rank (NCCL's all_gather_v: an uneven list all_gather)
+UNSIZED = ("all_to_all", "alltoall", "scatter", "gather", "all_gather_v", "allgather_v")
 ELSEWHERE = (
     "a hang is elsewhere: see where each rank's main thread is (the stacks, lab.stacks()); "
     "gloo records no send/recv, so a point-to-point wait shows only there"
