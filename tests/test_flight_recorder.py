@@ -40,8 +40,10 @@ def test_each_rank_lists_its_recent_collectives_between_cells(lab, capsys):
         assert [e["seq"] for e in entries] == [before[r] + i for i in range(1, 5)]
         assert all(e["state"] == "completed" and e["input_sizes"] == [[4]] for e in entries)
         assert all(e["group"] == "default_pg" for e in entries)
+    assert got.verdict.kind == "completed" and got.verdict.missing == ()
     text = str(got)
-    assert text.startswith("--- rank 0 ---\n")
+    assert text.startswith("Hang verdict (Flight Recorder): every rank entered and completed")
+    assert "\n--- rank 0 ---\n" in text
     assert f"#{before[0] + 4} broadcast on default_pg" in text
     assert sorted(labkit.flight_recorder(lab, ranks="1", last=2)) == [1]
     with pytest.raises(ValueError, match="last must be a whole number of at least 1"):
@@ -50,8 +52,10 @@ def test_each_rank_lists_its_recent_collectives_between_cells(lab, capsys):
     magics = LabMagics(shell=None)
     magics.lab("logs --fr --lines 1")
     shown = capsys.readouterr().out
+    assert shown.startswith("Hang verdict (Flight Recorder): every rank entered and completed")
+    assert f"(the last: broadcast #{before[1] + 4} of group 0 (default_pg)" in shown
     assert f"#{before[1] + 4} broadcast" in shown and "--- rank 1 ---" in shown
-    assert shown.count("broadcast") == 2 and "all_reduce" not in shown
+    assert shown.count("broadcast") == 3 and "all_reduce" not in shown
     with pytest.raises(UsageError, match="needs a RANK"):
         magics.lab("logs")
     with pytest.raises(UsageError, match="out of range"):
@@ -87,8 +91,31 @@ def test_the_stacks_show_rank_0_inside_all_reduce_n_while_rank_1_never_called_it
     stacks = found[0]
     assert "Flight Recorder (torch), last" in stacks[1]
     assert f"#{seq - 1} " in stacks[1] and f"#{seq} " not in stacks[1]  # rank 1 never entered
+    # the same, merged: printed first while the cell runs, with the line rank 1 is on
+    assert stacks.verdict.kind == "missing" and stacks.verdict.key == ("0", seq)
+    assert stacks.verdict.missing == (1,) and stacks.verdict.entered == (0,)
+    verdict = str(stacks).split("--- rank 0 ---")[0]
+    assert verdict.startswith("Hang verdict (Flight Recorder): rank 1 never entered all_reduce")
+    assert "; now at line " in verdict  # its wait loop, lines 4-5 of the cell
     after = labkit.flight_recorder(lab, last=1)  # both completed it once rank 1 came
     assert all(e[-1]["seq"] == seq and e[-1]["state"] == "completed" for e in after.values())
+
+
+def test_the_verdict_between_cells_names_the_rank_that_never_entered(lab, capsys):
+    seq = _last_seq(lab)[0] + 1
+    # rank 0 starts an all_reduce it does not wait for; rank 1 never calls it: the cell ends
+    lab.run("pending = dist.all_reduce(torch.ones(5), async_op=True) if rank == 0 else None")
+    got = labkit.flight_recorder(lab, last=1).verdict
+    assert got.kind == "missing" and got.key == ("0", seq) and got.op == "all_reduce"
+    assert got.missing == (1,) and got.entered == (0,)
+    LabMagics(shell=None).lab("logs --fr --lines 1")
+    assert capsys.readouterr().out.startswith(
+        f"Hang verdict (Flight Recorder): rank 1 never entered all_reduce #{seq} of group 0 "
+        "(default_pg), in [[5]] float; rank 0 entered it.\n"
+        f"  rank 1: last entered #{seq - 1} of that group (completed)\n"
+    )
+    lab.run("if rank == 1:\n    dist.all_reduce(torch.ones(5))\nelse:\n    pending.wait()")
+    assert labkit.flight_recorder(lab, last=1).verdict.kind == "completed"
 
 
 def test_a_stuck_cell_says_which_collective_rank_0_entered(lab):
@@ -98,6 +125,13 @@ def test_a_stuck_cell_says_which_collective_rank_0_entered(lab):
     text = str(err.value)
     assert f"rank 0 waits in all_reduce #{seq}" in text  # the watchdog's verdict
     if "no answer within" not in text:  # a saturated machine may leave the stacks out
+        # every rank's recorder merged, first after the watchdog's reason: rank 1 finished
+        # the cell without entering the all_reduce rank 0 waits in
+        assert text.splitlines()[1] == (
+            f"Hang verdict (Flight Recorder): rank 1 never entered all_reduce #{seq} of group 0 "
+            "(default_pg), in [[3]] float; rank 0 entered it."
+        ), text
+        assert f"  rank 1: last entered #{seq - 1} of that group (completed)" in text
         assert "Flight Recorder (torch), last" in text
         assert f"#{seq} all_reduce on default_pg: scheduled, in [[3]] float" in text
     lab.run("x = 1")  # the ranks were restarted; the lab goes on

@@ -218,7 +218,7 @@ def test_snapshot_folds_labkit_frames_and_shows_cell_lines():
     ns = {"snapshot": stacks.snapshot}
     code = "def inner():\n    return snapshot(9)\n\nfound = inner()\n"
     run_code(code, "<cell-9>", ns)
-    text, where = ns["found"]
+    text, where, _fr = ns["found"]
     assert text.startswith('Thread "MainThread" (main, running cell 9):\n'), text
     inner = text.index("    inner (<cell-9>:2)\n        return snapshot(9)\n")
     outer = text.index("    <module> (<cell-9>:4)\n        found = inner()\n")

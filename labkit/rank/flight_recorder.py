@@ -8,8 +8,10 @@ it through torch's private `torch._C._distributed_c10d._dump_fr_trace_json` (fou
 where that is missing, it says why instead of failing. `tail_text()` is what a
 rank adds to its stacks (labkit.rank.stacks), so `lab.stacks()` and a stuck cell's message show
 the last collectives each rank entered, read by the heartbeat thread while the main thread
-waits in one. `raw_entries()` and `enqueued()` are what `labkit.rank.ddp_tracing` reads at the
-end of a cell to record the collectives torch issued from C++ (DDP's buckets).
+waits in one; `snapshot()` comes with them (every entry, and the rank's groups: `groups()`),
+for the kernel's hang verdict (labkit.kernel.inspection.hang_verdict). `raw_entries()` and
+`enqueued()` are what `labkit.rank.ddp_tracing` reads at the end of a cell to record the
+collectives torch issued from C++ (DDP's buckets).
 
 This module never imports IPython, ipywidgets or plotly.
 """
@@ -23,6 +25,7 @@ import time
 from typing import Any
 
 from labkit.rank import torch_compat
+from labkit.wire.flight_records import FrEntry, FrGroup, FrSnapshot
 
 # entries torch keeps per process (a ring: the oldest go first); a dump of 200 takes ~2 ms,
 # of 2000 ~50 ms (on the heartbeat thread, holding the GIL), so the ring stays small
@@ -85,23 +88,67 @@ def raw_entries() -> list[dict[str, Any]] | str:
         return f"the Flight Recorder could not be read: {type(exc).__name__}: {exc}"
 
 
-def _entry(e: dict[str, Any]) -> dict[str, Any]:
+def _entry(e: dict[str, Any]) -> FrEntry:
     started, done = e.get("time_discovered_started_ns"), e.get("time_discovered_completed_ns")
-    return {
-        "seq": e.get("collective_seq_id") if not e.get("is_p2p") else e.get("p2p_seq_id"),
-        "op": str(e.get("profiling_name", "?")).split(":", 1)[-1],
-        "group": (e.get("process_group") or ["?", "?"])[1],
-        "state": "completed" if e.get("retired") else e.get("state", "?"),
-        "input_sizes": e.get("input_sizes"),
-        "output_sizes": e.get("output_sizes"),
-        "dtypes": e.get("input_dtypes"),
-        "duration_ms": e.get("duration_ms"),  # measured on GPUs (CUDA events), None with gloo
-        "created_ns": e.get("time_created_ns"),
-        "run_ms": (done - started) / 1e6 if started and done else None,
-    }
+    group = e.get("process_group") or ["?", "?"]
+    p2p = bool(e.get("is_p2p"))
+    return FrEntry(
+        seq=e.get("p2p_seq_id") if p2p else e.get("collective_seq_id"),
+        p2p=p2p,
+        op=str(e.get("profiling_name", "?")).split(":", 1)[-1],
+        group=group[1],
+        group_id=str(group[0]),
+        record_id=e.get("record_id"),
+        state="completed" if e.get("retired") else e.get("state", "?"),
+        input_sizes=e.get("input_sizes"),
+        output_sizes=e.get("output_sizes"),
+        dtypes=e.get("input_dtypes"),
+        duration_ms=e.get("duration_ms"),  # measured on GPUs (CUDA events), None with gloo
+        created_ns=e.get("time_created_ns"),
+        run_ms=(done - started) / 1e6 if started and done else None,
+    )
 
 
-def entries(last: int | None = None, settle: float = SETTLE_S) -> list[dict[str, Any]] | str:
+def groups() -> dict[str, FrGroup]:
+    """The process groups this rank belongs to, by torch's group name (an entry's `group_id`):
+    description and global ranks, from torch's table of groups (`group_registry`). torch's own
+    dump has a `pg_config` too, but gloo leaves it empty; {} where the table cannot be read."""
+    found = torch_compat.get("group_registry")
+    if found is None:
+        return {}
+    import torch.distributed as dist
+
+    got = {}
+    for pg, name in list(found[0].pg_names.items()):  # a copy: the main thread may add one
+        try:
+            ranks = sorted(dist.get_process_group_ranks(pg))
+        except Exception:  # noqa: BLE001 - a group being destroyed: leave it out
+            continue
+        got[str(name)] = FrGroup(desc=str(getattr(pg, "group_desc", "") or ""), ranks=ranks)
+    return got
+
+
+def _capacity() -> int:
+    try:
+        return int(os.environ.get(ENV, "0"))
+    except ValueError:
+        return 0
+
+
+def snapshot(settle: float = 0.0) -> FrSnapshot | None:
+    """Every entry the recorder holds, whether its ring wrapped (the oldest are lost), and this
+    rank's groups: what the kernel's hang verdict merges (None when the recorder is off)."""
+    if os.environ.get(ENV, "0") in ("", "0"):
+        return None
+    got = entries(settle=settle)
+    wrapped = False
+    if not isinstance(got, str) and got:
+        first = got[0].get("record_id")
+        wrapped = bool(first) or len(got) >= _capacity() > 0
+    return FrSnapshot(entries=got, wrapped=wrapped, groups=groups())
+
+
+def entries(last: int | None = None, settle: float = SETTLE_S) -> list[FrEntry] | str:
     """The recorded collectives, oldest first (the `last` ones), or why there are none.
 
     Entries not yet retired are read again for up to `settle` seconds (SETTLE_S); the heartbeat
@@ -130,11 +177,14 @@ def entry_text(e: dict[str, Any]) -> str:
     return f"#{e['seq']} {e['op']} on {e['group']}: {state}"
 
 
-def tail_text(last: int = TAIL) -> str:
-    """The last `last` collectives as lines for a rank's stacks, "" when the recorder is off."""
-    got = entries(last, settle=0)  # the main thread may be inside one of them: show it as it is
+def tail_text(last: int = TAIL, snap: FrSnapshot | None = None) -> str:
+    """The last `last` collectives as lines for a rank's stacks, "" when the recorder is off.
+    `snap`: a `snapshot()` already read (else the recorder is read now)."""
+    # the main thread may be inside one of them: show it as it is (no settling)
+    got = entries(last, settle=0) if snap is None else snap["entries"]
     if isinstance(got, str):
         return "" if "is off" in got else f"{HEADER}: {got}"
+    got = got[-last:]
     if not got:
         return f"{HEADER}: no collective yet"
     lines = "\n".join(f"    {entry_text(e)}" for e in got)

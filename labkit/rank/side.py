@@ -108,9 +108,16 @@ class SideChannel:
             if msg.get("type") == "interrupt" and msg["cell"] >= self.taken:
                 self.stop_cell = max(msg["cell"], self.stop_cell or 0)
             elif msg.get("type") == "ask_stacks":
-                text, where = stacks.snapshot(self.busy_cell)
+                text, where, fr = stacks.snapshot(self.busy_cell)
                 self.stacks_out.append(
-                    Stacks(type="stacks", id=msg["id"], busy=self.busy_cell, text=text, where=where)
+                    Stacks(
+                        type="stacks",
+                        id=msg["id"],
+                        busy=self.busy_cell,
+                        text=text,
+                        where=where,
+                        fr=fr,
+                    )
                 )
             elif msg.get("type") == "leave":
                 print(f"labkit rank {self.rank}: leaving: {msg['why']}", file=sys.stderr)

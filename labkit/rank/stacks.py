@@ -25,6 +25,7 @@ from types import FrameType
 
 import labkit
 from labkit.rank import flight_recorder
+from labkit.wire.flight_records import FrSnapshot
 
 _PACKAGE = os.path.dirname(os.path.abspath(labkit.__file__))
 _ROOT = os.path.dirname(_PACKAGE)
@@ -92,15 +93,22 @@ def _frames(frame: FrameType) -> tuple[list[str], str | None]:
     return lines, cell_at or user_at
 
 
-def snapshot(busy: int | None) -> tuple[str, str | None]:
-    """Every thread's stack now (the main thread first), and where the main thread's user code
-    is ("line 3: time.sleep(60)" for a cell), or None when it runs none. `busy`: the cell.
+def snapshot(busy: int | None) -> tuple[str, str | None, FrSnapshot | None]:
+    """Every thread's stack now (the main thread first), where the main thread's user code
+    is ("line 3: time.sleep(60)" for a cell), or None when it runs none, and the Flight
+    Recorder's entries (None when it is off). `busy`: the cell.
 
     Never raises: it runs on the heartbeat thread, which must go on reading Stop."""
     try:
-        return _snapshot(busy)
+        fr = flight_recorder.snapshot()  # read once: its last entries end the text too
+    except Exception:  # noqa: BLE001 - a private API: the stacks go without the entries
+        fr = None
+    try:
+        text, where = _snapshot(busy)
     except Exception as exc:  # noqa: BLE001 - say why instead of losing the heartbeat
-        return f"(the stacks could not be read: {type(exc).__name__}: {exc})", None
+        return f"(the stacks could not be read: {type(exc).__name__}: {exc})", None, fr
+    recorded = flight_recorder.tail_text(snap=fr) if fr is not None else ""
+    return (f"{text}\n{recorded}" if recorded else text), where, fr
 
 
 def _snapshot(busy: int | None) -> tuple[str, str | None]:
@@ -134,7 +142,4 @@ def _snapshot(busy: int | None) -> tuple[str, str | None]:
         service.append(names.get(me, "labkit-heartbeat"))
     text.append(f"(labkit's own threads left out: {', '.join(sorted(service))})")
     del frames
-    recorded = flight_recorder.tail_text()  # the last collectives this rank entered, if on
-    if recorded:
-        text.append(recorded)
     return "\n".join(text), where

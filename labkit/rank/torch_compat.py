@@ -9,8 +9,9 @@ and says `missing(name)` instead of failing: the lab works, without that feature
   stuck rank's stacks, and the trace's records of collectives torch issues from C++: DDP's
   buckets).
 - `group_registry`: `distributed_c10d._world.pg_names` / `pg_map` and `_get_default_group()`,
-  torch's table of process groups (the group of those C++ collectives' records; a cell's
-  `destroy_process_group()` destroying the user's groups while the lab keeps its default one).
+  torch's table of process groups (the group of those C++ collectives' records; the members of
+  each group for the hang verdict; a cell's `destroy_process_group()` destroying the user's
+  groups while the lab keeps its default one).
 - `join_hook`: `Join.notify_join_context` in torch's join.py, whose all_reduce hands its Work to
   DDP's C++ reducer: the tracer recognises that call and lets torch's own Work through. Without
   it the tracer never wraps an async all_reduce's Work (its record ends when it is issued).
@@ -110,8 +111,9 @@ FEATURES: dict[str, tuple[str, Callable[[], Any]]] = {
         _flight_recorder,
     ),
     "group_registry": (
-        "groups for the Flight Recorder's records (so none are made), and no destruction of a "
-        "cell's own groups by destroy_process_group() (they stay)",
+        "groups for the Flight Recorder's records (so none are made), the members of a "
+        "subgroup in the hang verdict (only the ranks that recorded it are expected), and no "
+        "destruction of a cell's own groups by destroy_process_group() (they stay)",
         _group_registry,
     ),
     "join_hook": (

@@ -27,7 +27,7 @@ between the kernel and its fork server, as one JSON object per line over the ser
 | side        | rank -> kernel | `Status`        | heartbeat: busy cell, running line, comm op     |
 | side        | kernel -> rank | `Interrupt`     | Stop pressed, for a rank labkit cannot signal   |
 | side        | kernel -> rank | `AskStacks`     | send every thread's Python stack now            |
-| side        | rank -> kernel | `Stacks`        | ... the stacks, as text (the heartbeat thread)  |
+| side        | rank -> kernel | `Stacks`        | ... as text, and the Flight Recorder's entries  |
 | ctrl        | kernel -> rank | `Debug`         | open pdb on the rank's last exception           |
 | ctrl        | rank -> kernel | `DebugPrompt`   | pdb's output and prompt: the rank waits ...     |
 | ctrl        | kernel -> rank | `DebugInput`    | ... for the line the user typed (None: end)     |
@@ -45,12 +45,14 @@ Every rank -> kernel message also carries `rank` and `gen` (`FromRank`), added b
 (in `Done` and `Fatal`) and `DisplayInfo` (in `Done`) are parts of messages, not messages.
 No tag names two messages (tests/test_wire.py checks it): the fork server's hello is `facts`.
 
-Imports only the standard library.
+Imports only the standard library and labkit.wire.flight_records (a part of `Stacks`).
 """
 
 from __future__ import annotations
 
 from typing import Any, Literal, TypedDict
+
+from labkit.wire.flight_records import FrSnapshot
 
 # -- parts of messages -------------------------------------------------------------------------
 
@@ -276,6 +278,7 @@ class Stacks(FromRank):
     busy: int | None  # the cell running, or None when idle
     text: str  # every thread's stack, main thread first, innermost frame first (rank.stacks)
     where: str | None  # the main thread's cell line ("line 3: time.sleep(60)"), if any
+    fr: FrSnapshot | None  # the Flight Recorder, for the kernel's hang verdict; None when off
 
 
 # -- the debugger: kernel <-> rank, ctrl socket (labkit.rank.debugger, kernel.inspection.debug) --

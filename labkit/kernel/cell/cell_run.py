@@ -6,10 +6,11 @@ interrupt) is never lost: pressed at any moment of the call, it interrupts the r
 launcher, which latches it on the rank (a cell not started yet does not start), re-sends it
 every `RESEND_S` and gives the ranks `STOP_GRACE` seconds; a second Stop gives up at once. A
 rank that has not taken the cell `ACK_S` after it was sent, while its heartbeats say it is
-alive, makes the cell stuck too (its request was lost). Stop and a stuck verdict also ask the
-running ranks for their Python stacks (labkit.kernel.inspection.stacks; Stop asks before it
+alive, makes the cell stuck too (its request was lost). Stop and a stuck verdict also ask every
+live rank for its Python stacks (labkit.kernel.inspection.stacks; Stop asks before it
 interrupts, so the stacks show where each rank was), waiting at most `STUCK_WAIT_S` for them: the
-outcome's `stacks` and a stopped rank's KeyboardInterrupt say where each rank was. A cell that
+outcome's `stacks` and a stopped rank's KeyboardInterrupt say where each rank was, and its
+`verdict` merges every rank's Flight Recorder (which collective the ranks diverged at). A cell that
 cannot finish is not repaired here: `run()` returns an outcome whose `stuck` says why, and the lab
 decides what recovery means for its ranks (a restart, or a lab marked unusable for ranks it
 cannot restart).
@@ -96,6 +97,7 @@ class CellOutcome:
     stuck: Stuck | None = None
     errors: dict[int, dict[str, Any]] = field(default_factory=dict)
     stacks: str = ""  # the Python stacks of the ranks still running when it was stuck
+    verdict: str = ""  # every rank's Flight Recorder merged: where the ranks diverged
 
 
 class CellRun:
@@ -182,8 +184,7 @@ class CellRun:
             stacks = gather(self.channel, ask, ranks, at + STUCK_WAIT_S, at)
             when = "when Stop was pressed"
         elif outcome.stuck is not None:
-            running = [r for r in self.targets if r not in self.replies]
-            stacks = collect(self.channel, running, STUCK_WAIT_S)
+            stacks = collect(self.channel, self._alive(), STUCK_WAIT_S)
             when = "when labkit found the cell stuck"
         else:
             return
@@ -192,8 +193,17 @@ class CellRun:
             if where and err and err["type"] == "KeyboardInterrupt" and not err["message"]:
                 err["message"] = f"Stop was pressed while rank {r} ran {where}"
         if outcome.stuck is not None:
-            unfinished = {r: t for r, t in stacks.items() if r not in self.replies}
+            found = stacks.verdict
+            outcome.verdict = found.text if found is not None else ""
+            unfinished = {
+                r: t for r, t in stacks.items() if r in self.targets and r not in self.replies
+            }
             outcome.stacks = stuck_text(type(stacks)(unfinished, {}, stacks.answered), when)
+
+    def _alive(self) -> list[int]:
+        """Every rank of the lab still alive: those that finished the cell, or never ran it, hold
+        the Flight Recorder entries that say which collective they never entered."""
+        return [r for r in range(self.world_size) if r not in self.channel.dead]
 
     def _send(self, msg: KernelToRank, frames: list[Any]) -> bool:
         """Send the request to every target, even if Stop is pressed meanwhile (a rank takes a
@@ -248,8 +258,9 @@ class CellRun:
         """Stop pressed: interrupt the running ranks, again every `RESEND_S` until they answer;
         ranks that do not stop within `STOP_GRACE` (or a second Stop) make the cell stuck."""
         running = [r for r in self.targets if r not in self.replies]
+        alive = self._alive()  # every rank's Flight Recorder, for the hang verdict
         try:  # stacks first: the rank takes them before the Stop behind them interrupts it
-            self._asked = (self.channel.ask_stacks(running), running, time.monotonic())
+            self._asked = (self.channel.ask_stacks(alive), alive, time.monotonic())
             self._interrupt(running)
             self.channel.pump(
                 set(running),
@@ -343,6 +354,8 @@ def recovery_note(
     assert outcome.stuck is not None
     reason, died, errors = str(outcome.stuck), outcome.stuck.died, outcome.errors
     stacks = f"\n{outcome.stacks}" if outcome.stacks else ""
+    if outcome.verdict:  # first after the reason: which collective the ranks diverged at
+        reason += f"\n{outcome.verdict}"
     if errors and died is not None:  # the death is the root cause; the peers' errors follow
         reason += f"\nbecause rank {died} died, " + "; ".join(
             f"rank {r} raised {e['type']}: {(e['message'].splitlines() or [''])[0][:160]}"

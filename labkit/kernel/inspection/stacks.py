@@ -8,7 +8,10 @@ ctrl socket, so `lab.stacks()` may be called from another thread while a cell ru
 
 `RankStacks` is {rank: text}; it prints (and shows in a notebook) as one section per rank.
 When torch's Flight Recorder is on (labkit turns it on), each rank's text ends with the last
-collectives it entered, and a stuck cell's message shows them under each rank's stack.
+collectives it entered, and a stuck cell's message shows them under each rank's stack; every
+rank's entries also come whole (`RankStacks.fr`), merged into a hang verdict (`.verdict`,
+labkit.kernel.inspection.hang_verdict) that the printed stacks and a stuck cell's message
+start with.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
+from labkit.kernel.inspection.hang_verdict import HangVerdict, merge
 from labkit.kernel.results import LabError
 from labkit.rank.flight_recorder import HEADER as FLIGHT_RECORDER
 
@@ -31,13 +35,39 @@ class RankStacks(dict):
     or why a rank has none. `where[rank]`: the cell line its main thread was on, if any;
     `answered`: the ranks that did answer."""
 
-    def __init__(self, texts: dict[int, str], where: dict[int, str | None], answered: set[int]):
+    def __init__(
+        self,
+        texts: dict[int, str],
+        where: dict[int, str | None],
+        answered: set[int],
+        fr: dict[int, Any] | None = None,
+    ):
         super().__init__(sorted(texts.items()))
         self.where = where
         self.answered = answered
+        self.fr = fr or {}  # rank -> its Flight Recorder (FrSnapshot), where it is on
+
+    @property
+    def verdict(self) -> HangVerdict | None:
+        """Every rank's Flight Recorder merged (labkit.kernel.inspection.hang_verdict), or None
+        when no rank sent its entries (the recorder is off)."""
+        if not self.fr:
+            return None
+        snaps: dict[int, Any] = {}
+        for r, text in self.items():
+            if r in self.fr:
+                snaps[r] = self.fr[r]
+            elif r in self.answered:
+                snaps[r] = None  # the rank's recorder is off
+            else:  # dead, or silent: say which, without its stacks' wording
+                snaps[r] = text.strip("()").split(";")[0]
+        return merge(snaps, where=self.where, world=list(self))
 
     def __str__(self) -> str:
-        return "\n".join(f"--- rank {r} ---\n{text}" for r, text in self.items())
+        # the verdict while a cell runs (between cells no rank can hang: %lab logs --fr has it)
+        found = self.verdict if any(self.where.values()) else None
+        head = f"{found.text}\n" if found is not None else ""
+        return head + "\n".join(f"--- rank {r} ---\n{text}" for r, text in self.items())
 
     __repr__ = __str__
 
@@ -68,10 +98,12 @@ def gather(
     ):
         time.sleep(0.01)
     channel.stacks.pop(ask, None)
-    texts, where = {}, {}
+    texts, where, fr = {}, {}, {}
     for r in ranks:
         if r in got:
             texts[r], where[r] = got[r]["text"], got[r]["where"]
+            if got[r].get("fr") is not None:  # None: the rank's recorder is off
+                fr[r] = got[r]["fr"]
         elif r in channel.dead:
             texts[r] = _dead_text(channel.dead[r])
         else:
@@ -79,7 +111,7 @@ def gather(
                 f"(no answer within {deadline - asked_at:.1f} s: the rank's heartbeat thread "
                 "did not run; a C extension may hold the GIL, or the machine is overloaded)"
             )
-    return RankStacks(texts, where, set(got) & set(ranks))
+    return RankStacks(texts, where, set(got) & set(ranks), fr)
 
 
 def collect(channel: Any, ranks: Iterable[int], timeout: float) -> RankStacks:
