@@ -239,7 +239,9 @@ def test_run_script_checks_its_input_before_sending_anything(lab, tmp_path):
     assert lab.last_cell == cell  # nothing was sent
 
 
-def test_lab_run_magic(lab, tmp_path, capsys):
+def test_lab_run_magic(lab, tmp_path, capsys, monkeypatch):
+    # %lab run uses the current lab: the module's, whatever lab another test made current last
+    monkeypatch.setattr(labkit.kernel.lab, "_current", lab)
     magics = LabMagics(shell=None)
     with pytest.raises(UsageError, match=r"%lab run needs a SCRIPT.*\nusage: %lab run \[--"):
         magics.lab("run")
