@@ -178,7 +178,7 @@ def _timed(rank: int, world_size: int, seq: int, dim: int) -> dict:
     torch.manual_seed(0)
     q, k, v = (torch.randn(seq, dim) for _ in range(3))
     runs: dict[str, list[float]] = {"contiguous": [], "zigzag": []}
-    for _ in range(5):  # the layouts in turn, so both meet the same load on a busy machine
+    for _ in range(15):  # the layouts in turn, so both meet the same load on a busy machine
         for layout, times in runs.items():
             mine = positions(seq, world_size, rank, layout)
             times.append(sum(ring_attention(q[mine], k[mine], v[mine], layout).compute_s))
