@@ -90,7 +90,7 @@ def stop_forkserver() -> None:
             finalizer()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 120) -> list:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240) -> list:
     ctx = _context()
     port = _free_port()
     conns, procs = {}, {}
