@@ -37,7 +37,7 @@ TITLE = "Hang verdict (Flight Recorder)"
 # input sizes that may differ rank to rank (NCCL's all_gather_v: an uneven list all_gather)
 UNSIZED = ("all_to_all", "alltoall", "scatter", "gather", "all_gather_v", "allgather_v")
 ELSEWHERE = (
-    "a hang is elsewhere: see where each rank's main thread is (the stacks, lab.stacks()); "
+    "a hung cell waits elsewhere: see where each rank's main thread is (lab.stacks()); "
     "gloo records no send/recv, so a point-to-point wait shows only there"
 )
 # gloo under TORCH_DISTRIBUTED_DEBUG=DETAIL (torch 2.13): every group's entries, and those of the
