@@ -108,16 +108,19 @@ def test_the_verdict_between_cells_names_the_rank_that_never_entered(lab, capsys
     seq = _last_seq(lab)[0] + 1
     # rank 0 starts an all_reduce it does not wait for; rank 1 never calls it: the cell ends
     lab.run("pending = dist.all_reduce(torch.ones(5), async_op=True) if rank == 0 else None")
-    got = labkit.flight_recorder(lab, last=1).verdict
-    assert got.kind == "missing" and got.key == ("0", seq) and got.op == "all_reduce"
-    assert got.missing == (1,) and got.entered == (0,)
-    LabMagics(shell=None).lab("logs --fr --lines 1")
-    assert capsys.readouterr().out.startswith(
-        f"Hang verdict (Flight Recorder): rank 1 never entered all_reduce #{seq} of group 0 "
-        "(default_pg), in [[5]] float; rank 0 entered it.\n"
-        f"  rank 1: last entered #{seq - 1} of that group (completed)\n"
-    )
-    lab.run("if rank == 1:\n    dist.all_reduce(torch.ones(5))\nelse:\n    pending.wait()")
+    try:
+        got = labkit.flight_recorder(lab, last=1).verdict
+        assert got.kind == "missing" and got.key == ("0", seq) and got.op == "all_reduce"
+        assert got.missing == (1,) and got.entered == (0,)
+        LabMagics(shell=None).lab("logs --fr --lines 1")
+        assert capsys.readouterr().out.startswith(
+            f"Hang verdict (Flight Recorder): rank 1 never entered all_reduce #{seq} of group 0 "
+            "(default_pg), in [[5]] float; rank 0 entered it.\n"
+            f"  rank 1: last entered #{seq - 1} of that group (completed)\n"
+        )
+    finally:  # rank 1 joins whatever happened: a pending all_reduce left behind made the next
+        # test's collective a mismatch that aborted rank 1 (gloo: "8 vs 4")
+        lab.run("if rank == 1:\n    dist.all_reduce(torch.ones(5))\nelse:\n    pending.wait()")
     assert labkit.flight_recorder(lab, last=1).verdict.kind == "completed"
 
 
