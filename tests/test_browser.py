@@ -74,10 +74,17 @@ def server(tmp_path_factory) -> Iterator[tuple[str, str, str]]:
         JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
         PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
     )
+    # No keep-alive pings on the kernels' websockets: on a saturated 2-core machine the server
+    # missed the browser's pong for 90 s and closed the socket, and JupyterLab's reconnect
+    # dropped the cells queued by Run All (a browser and a server on one machine need no
+    # keep-alive; Jupyter's default is to ping every 30 s)
+    config = tmp / "jupyter_server_config.json"
+    config.write_text(json.dumps({"ServerApp": {"tornado_settings": {"ws_ping_interval": 0}}}))
     cmd = [
         sys.executable, "-m", "jupyter", "lab", "--no-browser", f"--IdentityProvider.token={token}",
         "--ServerApp.ip=127.0.0.1", f"--port={port}", f"--notebook-dir={work}",
         "--LabApp.news_url=", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+        f"--config={config}",
     ]  # fmt: skip
     if os.geteuid() == 0:  # containers and CI often run as root
         cmd.append("--allow-root")

@@ -77,3 +77,43 @@ def test_figure_widgets_follow_their_box_width() -> None:
     widget = cls(go.Figure())
     assert "new ResizeObserver(()=>" in widget._esm and "autosizeFigure()" in widget._esm
     assert resizing_esm("export default {render({el}) {}}") is None
+
+
+@pytest.mark.parametrize("esm", ["patched", "unpatchable"])
+def test_a_figure_widget_opens_its_comm_with_the_whole_figure(monkeypatch, esm) -> None:
+    # plotly's own FigureWidget opens its comm before it sets its data and layout (they follow
+    # as updates, which a view drawn early never sees); labkit's opens it with them
+    pytest.importorskip("anywidget")
+    import comm
+    import plotly.graph_objects as go
+
+    from labkit.views import figure_widget
+
+    opened: list[dict] = []
+
+    class Comm:
+        kernel = None  # no kernel: updates are not sent, only the opening message counts
+        comm_id = "c"
+
+        def __init__(self, **kwargs) -> None:
+            opened.append(kwargs["data"]["state"])
+
+        def on_msg(self, callback) -> None: ...
+
+        def close(self, *args, **kwargs) -> None: ...
+
+    monkeypatch.setattr(comm, "create_comm", Comm)
+    figure_widget.figure_widget_class.cache_clear()
+    if esm == "unpatchable":
+        monkeypatch.setattr(figure_widget, "resizing_esm", lambda bundle: None)
+    try:
+        fig = go.Figure(go.Bar(y=[1, 2]), layout={"height": 250})
+        go.FigureWidget(fig)
+        assert opened[-1]["_widget_data"] == [], "plotly opens its comm with the data: see why"
+        widget = figure_widget.figure_widget_class()(fig)
+    finally:
+        figure_widget.figure_widget_class.cache_clear()
+    state = opened[-1]
+    assert len(opened) == 2 and widget.comm is not None
+    assert [list(t["y"]) for t in state["_widget_data"]] == [[1, 2]]
+    assert state["_widget_layout"]["height"] == 250

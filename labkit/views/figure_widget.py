@@ -6,6 +6,13 @@ never again: anywidget does not pass JupyterLab's resize messages on, and nothin
 So a figure drawn wide overflows once the window narrows or the file browser opens, and one
 drawn in a hidden box keeps plotly's default width.
 
+It also opens its comm only once the figure is complete. plotly's FigureWidget opens it in
+ipywidgets' constructor, before it sets the figure's data and layout (`_widget_data`,
+`_widget_layout`), which then follow as updates; its front end reads them once, when it draws,
+and a view drawn before those updates were applied stays an empty 700 x 360 px plot (seen in
+JupyterLab on a busy machine: one or two figures of a view, a different one each run).
+Deferring the opening puts the whole figure in the comm's first message.
+
 `ResizingFigureWidget` sends plotly's own front end with one change at its `render`: a
 ResizeObserver on the widget's element calls the view's own `autosizeFigure()` (what plotly
 runs on JupyterLab's resize messages) whenever the element's width changes. Figures with a
@@ -20,6 +27,7 @@ from __future__ import annotations
 import pathlib
 import re
 from functools import cache
+from typing import Any
 
 __all__ = ["figure_widget_class", "resizing_esm"]
 
@@ -64,8 +72,9 @@ def resizing_esm(bundle: str) -> str | None:
 
 @cache
 def figure_widget_class() -> type | None:
-    """The FigureWidget class to use: `ResizingFigureWidget`, plotly's own FigureWidget when
-    its bundle cannot be changed, or None without anywidget (plotly 7's FigureWidget needs it)."""
+    """The FigureWidget class to use: `ResizingFigureWidget`; when plotly's bundle cannot be
+    changed, a FigureWidget that only opens its comm complete; None without anywidget (plotly
+    7's FigureWidget needs it)."""
     try:
         import anywidget  # noqa: F401
     except ImportError:
@@ -75,7 +84,27 @@ def figure_widget_class() -> type | None:
     esm = go.FigureWidget._esm
     bundle = esm.read_text() if isinstance(esm, pathlib.Path) else str(esm)
     patched = resizing_esm(bundle)
-    if patched is None:
-        return go.FigureWidget
-    namespace = {"_esm": patched, "__module__": __name__}
-    return type("ResizingFigureWidget", (go.FigureWidget,), namespace)
+    namespace: dict[str, Any] = {"__init__": _init, "open": _open, "__module__": __name__}
+    if patched is not None:
+        namespace["_esm"] = patched
+    name = "ResizingFigureWidget" if patched is not None else "WholeFigureWidget"
+    return type(name, (go.FigureWidget,), namespace)
+
+
+def _init(self: Any, *args: Any, **kwargs: Any) -> None:
+    """FigureWidget's constructor with the comm opened at its end (module doc)."""
+    import plotly.graph_objects as go
+
+    self._lk_building = True
+    try:
+        go.FigureWidget.__init__(self, *args, **kwargs)
+    finally:
+        self._lk_building = False
+    self.open()
+
+
+def _open(self: Any) -> None:
+    import plotly.graph_objects as go
+
+    if not getattr(self, "_lk_building", False):
+        go.FigureWidget.open(self)
