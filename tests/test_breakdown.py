@@ -104,6 +104,20 @@ def test_an_async_op_spanning_compute_waits_only_outside_compute() -> None:
     assert b.row(0).overlap_pct == pytest.approx(100 * 0.08 / 0.12)
 
 
+def test_waiting_in_async_ops_in_flight_together_counts_once() -> None:
+    g = (0, 1)
+    recs = [
+        _ar(0, 1, 0.0, 0.2, g, async_op=True),  # rank 0 issues two at once and waits for both
+        _ar(0, 2, 0.0, 0.2, g, async_op=True),
+        _ar(1, 1, 0.1, 0.15, g),  # rank 1 enters both 100 ms later
+        _ar(1, 2, 0.15, 0.2, g),
+    ]
+    b = breakdown(recs)
+    # rank 0 waited [0, 0.1] for #1 and [0, 0.15] for #2: 150 ms of its time, not 250
+    assert b.row(0).waiting == pytest.approx(0.15)
+    assert b.straggler.rank == 1 and b.straggler.waited == pytest.approx(0.15)
+
+
 def test_ranks_without_records_are_all_idle_and_named_missing() -> None:
     g = (0, 1, 2)
     recs = [_ar(0, 1, 0.0, 0.5, g), _ar(1, 1, 0.2, 0.5, g)]  # rank 2 never came

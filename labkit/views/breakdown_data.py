@@ -266,10 +266,10 @@ def _waits(
 ) -> tuple[dict[int, list[Interval]], Straggler | None, list]:
     """Each rank's waiting intervals, the straggler and the collectives some rank never
     entered. A rank waits in a collective from its entry until the last rank entered it (or
-    its call ended, if sooner), less the time it computed meanwhile (an async op)."""
+    its call ended, if sooner), less the time it computed meanwhile (an async op); waiting in
+    several collectives at once (async ops in flight together) counts once."""
     waits: dict[int, list[Interval]] = {}
-    caused: dict[int, float] = {}
-    by: dict[int, dict[int, float]] = {}
+    spells: dict[tuple[int, int], list[Interval]] = {}  # (waited for, waiter) -> intervals
     last_count: dict[int, int] = {}
     incomplete, entered = [], 0
     peers: dict[int, set[int]] = {}  # the ranks that share a collective with a rank
@@ -285,17 +285,16 @@ def _waits(
         last = max(calls.values(), key=lambda c: (c.start, -c.rank))
         last_count[last.rank] = last_count.get(last.rank, 0) + 1
         for rank, c in calls.items():
-            if rank == last.rank:
-                continue
             until = min(last.start, comm_interval(c)[1])
-            if until <= c.start:
-                continue
-            spell = subtract([(c.start, until)], computing.get(rank, []))
-            waits.setdefault(rank, []).extend(spell)
-            waited = length(spell)
-            caused[last.rank] = caused.get(last.rank, 0.0) + waited
-            mine = by.setdefault(last.rank, {})
-            mine[rank] = mine.get(rank, 0.0) + waited
+            if rank != last.rank and until > c.start:
+                spell = subtract([(c.start, until)], computing.get(rank, []))
+                waits.setdefault(rank, []).extend(spell)
+                spells.setdefault((last.rank, rank), []).extend(spell)
+    # async ops in flight together: a spell of waiting for the same rank counts once
+    by: dict[int, dict[int, float]] = {}
+    for (late, rank), found in spells.items():
+        by.setdefault(late, {})[rank] = length(union(found))
+    caused = {late: sum(each.values()) for late, each in by.items()}
     straggler = None
     if caused and max(caused.values()) > 0:
         rank = max(caused, key=lambda r: (caused[r], -r))
