@@ -28,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from labkit.views.intervals import Interval, intersect, length, subtract, union
+from labkit.views.intervals import Interval, clip, intersect, length, subtract, union
 from labkit.views.text import columns
 from labkit.wire.records import P2P_OPS, CommRecord, SpanRecord
 
@@ -166,6 +166,8 @@ class Breakdown:
         return "\n".join(lines)
 
 
+# which calls had CUDA events (device_time) -> where a rank's communication time came from
+SOURCES = {frozenset({True}): "device", frozenset({True, False}): "host+device"}
 SOURCE_WORDS = {
     "host": "host records",
     "device": "CUDA events (device time)",
@@ -225,26 +227,23 @@ def breakdown(
     window = (min(r.start for r in records), max(ends))
     total = window[1] - window[0]
     comms = [r for r in records if isinstance(r, CommRecord)]
+    by_rank: dict[int, list[Record]] = {rank: [] for rank in all_ranks}
+    for r in records:
+        by_rank[r.rank].append(r)
     computing: dict[int, list[Interval]] = {}
-    parts: dict[int, tuple[list[Interval], list[Interval]]] = {}
-    for rank in all_ranks:
-        spans = union(
-            (r.start, r.end) for r in records if r.rank == rank and isinstance(r, SpanRecord)
-        )
-        mine = [r for r in comms if r.rank == rank]
-        blocking = union(comm_interval(r) for r in mine if not can_overlap(r))
-        hiding = union(comm_interval(r) for r in mine if can_overlap(r))
+    parts = {}
+    for rank, mine in by_rank.items():
+        spans = union((r.start, r.end) for r in mine if isinstance(r, SpanRecord))
+        calls = [r for r in mine if isinstance(r, CommRecord)]
+        blocking = union(comm_interval(r) for r in calls if not can_overlap(r))
+        hiding = union(comm_interval(r) for r in calls if can_overlap(r))
         computing[rank] = subtract(spans, blocking)
-        parts[rank] = (spans, union(blocking + hiding))
+        timed = frozenset(r.device_time is not None for r in calls)
+        parts[rank] = (spans, union(blocking + hiding), hiding, SOURCES.get(timed, "host"))
     waits, straggler, incomplete = _waits(comms, computing)
     rows = []
-    for rank in all_ranks:
-        spans, comm = parts[rank]
-        mine = [r for r in comms if r.rank == rank]
-        hiding = union(comm_interval(r) for r in mine if can_overlap(r))
+    for rank, (spans, comm, hiding, source) in parts.items():
         overlapped = length(intersect(hiding, computing[rank]))
-        timed = {r.device_time is not None for r in mine}
-        source = {frozenset({True}): "device", frozenset({True, False}): "host+device"}
         rows.append(
             RankTime(
                 rank=rank,
@@ -255,7 +254,7 @@ def breakdown(
                 waiting=length(subtract(union(waits.get(rank, [])), computing[rank])),
                 idle=total - length(union(spans + comm)),
                 total=total,
-                source=source.get(frozenset(timed), "host"),
+                source=source,
             )
         )
     return Breakdown(rows, straggler, window, cell, label, incomplete)
@@ -287,7 +286,8 @@ def _waits(
         for rank, c in calls.items():
             until = min(last.start, comm_interval(c)[1])
             if rank != last.rank and until > c.start:
-                spell = subtract([(c.start, until)], computing.get(rank, []))
+                busy = clip(computing.get(rank, []), c.start, until)
+                spell = subtract([(c.start, until)], busy)
                 waits.setdefault(rank, []).extend(spell)
                 spells.setdefault((last.rank, rank), []).extend(spell)
     # async ops in flight together: a spell of waiting for the same rank counts once

@@ -6,9 +6,10 @@ and idle time with these: union, intersection, difference and the gaps in a wind
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from collections.abc import Iterable
 
-__all__ = ["Interval", "gaps", "intersect", "length", "subtract", "union"]
+__all__ = ["Interval", "clip", "gaps", "intersect", "length", "subtract", "union"]
 
 Interval = tuple[float, float]
 
@@ -60,3 +61,11 @@ def subtract(a: list[Interval], b: list[Interval]) -> list[Interval]:
         return []
     window = (a[0][0], a[-1][1])
     return intersect(a, gaps(b, window))
+
+
+def clip(intervals: list[Interval], lo: float, hi: float) -> list[Interval]:
+    """The intervals (sorted, merged) that reach into (lo, hi), found by bisection: what
+    `subtract` needs of a long list to take it from one short interval."""
+    first = bisect_right(intervals, lo, key=lambda iv: iv[1])
+    last = bisect_left(intervals, hi, lo=first, key=lambda iv: iv[0])
+    return intervals[first:last]
