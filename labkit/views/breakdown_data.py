@@ -106,8 +106,9 @@ class RankTime:
 
 @dataclass(frozen=True)
 class Straggler:
-    """The rank the others waited for the longest: `waited` seconds summed over them,
-    `by_rank` for each, in `last` of the `matched` collectives it entered last."""
+    """The rank the others waited for the longest: `waited` seconds summed over them and
+    `by_rank` for each; it entered `last` of the cell's `matched` collectives (those that two
+    or more ranks entered) last."""
 
     rank: int
     waited: float
@@ -215,12 +216,15 @@ def breakdown(
 ) -> Breakdown:
     """Split each rank's time over the records' window, and name the straggler (kernel side,
     pure). `ranks` adds rows for ranks without records (all idle); by default the ranks of the
-    records and of their calls' groups. Example: ``breakdown(lab.trace()).text``."""
+    records and of their calls' groups. `cell` and `label` name it (by default the cell of
+    the records, when they all come from one). Example: ``breakdown(lab.trace()).text``."""
     known = {r.rank for r in records}
     for r in records:
         if isinstance(r, CommRecord):
             known |= set(r.group)
     all_ranks = sorted(known | set(ranks or ()))
+    if cell is None and len({r.cell for r in records}) == 1:
+        cell = records[0].cell  # one cell's records (lab.trace()): name it
     if not records:
         return Breakdown([], None, (0.0, 0.0), cell, label)
     ends = [comm_interval(r)[1] if isinstance(r, CommRecord) else r.end for r in records]

@@ -150,8 +150,6 @@ def _one(lab_or_records: Any, cell: int | None, label: str, ranks: set[int]) -> 
     records, lab = records_from(lab_or_records, cell)
     if lab is not None:
         ranks = ranks | set(range(getattr(lab, "world_size", 0)))
-    if cell is None and len({r.cell for r in records}) == 1:
-        cell = records[0].cell  # the last cell's id, for the title
     return breakdown(records, ranks, cell=cell, label=label)
 
 

@@ -11,6 +11,9 @@ and a folded table lists every call (rank, op, seq, bytes, duration):
     compute = length of the union of its spans, less the time also inside a comm call
     idle    = window - length of the union of everything it did
 
+(`timeline_summary`, in labkit.views.breakdown_data; `show_breakdown` splits the same time
+further: communication hidden under compute or exposed, waiting, and the straggler.)
+
 On CUDA a call's record also carries `device_time` (CUDA events around it on the current
 stream; None on CPU). Those calls get a second, thinner track under their rank, "rank r
 device", with a bar of the device time: CUDA events measure a duration, not a clock time, so
