@@ -74,7 +74,7 @@ def breakdown_figure(parts: list[Breakdown]) -> go.Figure:
     """Stacked bars per rank, one panel per breakdown (two for a comparison), in ms."""
     n = max(len(p.rows) for p in parts)
     panel = 40 + 28 * n
-    height = 110 + panel * len(parts)
+    height = 140 + panel * len(parts)
     fig = make_subplots(
         rows=len(parts),
         cols=1,
@@ -92,8 +92,9 @@ def breakdown_figure(parts: list[Breakdown]) -> go.Figure:
         height=height,
         autosize=True,  # no width: it follows the output area
         title=title(text, height),
-        margin={"l": 70, "r": 10, "t": 60, "b": 40},
-        legend={"orientation": "h", "y": -0.08, "yanchor": "top"},
+        margin={"l": 70, "r": 10, "t": 60, "b": 70},
+        # under the x axis's tick labels, in the bottom margin whatever the figure's height
+        legend={"orientation": "h", "yref": "container", "y": 0.0, "yanchor": "bottom"},
     )
     fig.update_annotations(font_size=11)
     fig.update_xaxes(ticksuffix=" ms", row=len(parts), col=1)
