@@ -139,6 +139,7 @@ show_replicas({"averaged": [same, same, same], "not averaged": [same, apart, apa
 # (name, cells): the last cell's output is the view
 VIEWS = [
     ("timeline", ("labkit.show_timeline(lab)",)),
+    ("breakdown", ("labkit.show_breakdown(lab)",)),
     ("comm", ("labkit.show_comm(lab)",)),
     (
         "tensors",

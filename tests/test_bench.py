@@ -99,3 +99,11 @@ def test_gap_rows_and_split_read_each_cell_against_its_own_floor():
     for part in ("gap, +1.30 ms", "any cell magic +0.20 ms", "back +0.50 ms", "signing +0.30 ms"):
         assert part in text, text
     assert "machinery +0.30 ms" in text, text
+
+
+def test_the_breakdown_cost_alone_prints_its_figure(capsys):
+    from labkit.tools.bench import main
+
+    assert main(["--breakdown", "--ranks", "2"]) == 0
+    line = capsys.readouterr().out
+    assert "a cell of 2 ranks x 2000 records" in line and " ms of CPU" in line

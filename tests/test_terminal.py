@@ -32,6 +32,7 @@ CELLS = [
     "import labkit",
     "labkit.show_tensors(lab, 'x')",
     "labkit.show_timeline(lab)",
+    "labkit.show_breakdown(lab)",
     "labkit.show_comm(lab)",
     "labkit.show_placement(lab, 'model')",
     "labkit.show_timeline(lab).static()",
@@ -80,6 +81,8 @@ def test_terminal_ipython_shows_readable_text(tmp_path) -> None:
     # the views as text: their tables, one line per row
     assert re.search(r"rank 0 .*float32", out), out  # show_tensors: each rank's tensor
     assert "time per rank" in out and "all_reduce" in out, out  # show_timeline
+    assert re.search(r"rank +compute +comm +overlapped", out), out  # show_breakdown's table
+    assert "straggler: " in out, out
     assert "bytes sent" in out and "from \\ to" in out, out  # show_comm
     assert "weight" in out and "bias" in out, out  # show_placement
     # a bare plotly figure (the pipeline schedules): words, not a browser window

@@ -35,7 +35,9 @@ The main table (4 ranks by default; targets in the last column):
 - a 1 MiB all_reduce with tracing on vs off, in an order drawn per pair of ops, beside how far
   two halves of the untraced ops alone come apart (the comparison's noise), and the time the
   traced call adds in one process alone (the wrapper's own cost); +5 %;
-- the kernel's RSS growth over N `%%ranks` cells; 20 MB.
+- the kernel's RSS growth over N `%%ranks` cells; 20 MB;
+- what the time breakdown (`labkit.views.breakdown`, what `show_breakdown` shows) costs the
+  kernel for a cell of 4 ranks x 2000 trace records (`--breakdown`: only that, in a second).
 
 ipyparallel does the same (start, no-op cell, all_reduce cell, pull) in the same run when it is
 installed (`pip install 'labkit[bench]'`); the output says so when it is not.
@@ -71,6 +73,7 @@ from labkit.tools import bench_others
 from labkit.tools.bench_kernel import kernel_cells, split_text
 from labkit.tools.bench_labkit import (
     IDLE_S,
+    breakdown_cost,
     cold_start,
     collective,
     dispatch,
@@ -83,6 +86,14 @@ from labkit.tools.bench_report import _ms, _table, main_rows
 def _load() -> str:
     one, five, fifteen = os.getloadavg()
     return f"load average {one:.1f} {five:.1f} {fifteen:.1f} (1, 5, 15 min)"
+
+
+def _breakdown_line(cost: dict[str, float]) -> str:
+    return (
+        f"show_breakdown's data for a cell of {cost['ranks']} ranks x "
+        f"{cost['records'] // cost['ranks']} records: {_ms(cost['breakdown_s'])} in the kernel, "
+        f"{_ms(cost['breakdown_cpu_s'])} of CPU (labkit.views.breakdown and its text; median of 5)"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -98,8 +109,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--no-ipyparallel", action="store_true", help="skip ipyparallel even if installed"
     )
+    p.add_argument(
+        "--breakdown", action="store_true", help="only the time breakdown's cost (no ranks)"
+    )
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.breakdown:
+        print(_breakdown_line(breakdown_cost(args.ranks)))
+        return 0
     n = args.ranks
     reps = 10 if args.quick else 30
     scale = [2, n] if args.quick else [int(k) for k in args.scale.split(",")]
@@ -141,6 +158,7 @@ def main(argv: list[str] | None = None) -> int:
         ipyparallel=ipp,
     )
     res.update(traced)
+    res["breakdown"] = breakdown_cost(n)
     res["load_after"] = os.getloadavg()
 
     head, rows = main_rows(res)
@@ -151,6 +169,7 @@ def main(argv: list[str] | None = None) -> int:
         f"differ by {traced['noise'] * 100:+.1f} % in this run (the comparison's noise)"
     )
     print(split_text(k, n))
+    print(_breakdown_line(res["breakdown"]))
     print(
         f"CPU per no-op cell, all threads: the kernel process {_ms(k['cpu_own_s'])} for its own, "
         f"{_ms(k['cpu_cell_s'])} for a %%ranks cell, and the {n} ranks together "

@@ -297,3 +297,57 @@ def dispatch(n: int, reps: int) -> dict[str, dict[str, float]]:
     finally:
         lab.stop()
     return out
+
+
+def cell_records(ranks: int = 4, per_rank: int = 2000, seed: int = 0) -> list[Any]:
+    """A long cell's trace: per rank and step a forward and a backward span, an async
+    all_reduce issued during the backward pass and a blocking one after it (4 records a step),
+    each rank a little late now and then, as in a DDP step."""
+    import random
+
+    from labkit.wire.records import CommRecord, SpanRecord
+
+    rng = random.Random(seed)
+    group = tuple(range(ranks))
+    out: list[Any] = []
+    for step in range(per_rank // 4):
+        t = step * 0.01
+        for r in range(ranks):
+            late = rng.uniform(0, 0.002)
+            out.append(SpanRecord(rank=r, name="forward", start=t, end=t + 0.003 + late))
+            out.append(SpanRecord(rank=r, name="backward", start=t + 0.004, end=t + 0.007))
+            out.append(
+                CommRecord(
+                    rank=r,
+                    op="all_reduce",
+                    seq=2 * step + 1,
+                    group=group,
+                    start=t + 0.005 + late,
+                    end=t + 0.008,
+                    async_op=True,
+                )
+            )
+            out.append(CommRecord(rank=r, op="all_reduce", seq=2 * step + 2, group=group,
+                                  start=t + 0.008 + late / 2, end=t + 0.0095))  # fmt: skip
+    return out
+
+
+def breakdown_cost(ranks: int = 4, per_rank: int = 2000, reps: int = 5) -> dict[str, float]:
+    """What `labkit.views.breakdown` (and its text) costs in the kernel for one cell of
+    `ranks` x `per_rank` records: the median of `reps` runs, in seconds, wall and CPU (the
+    CPU time of this process: on a loaded machine the wall time also holds waiting for a core)."""
+    from labkit.views.breakdown_data import breakdown
+
+    records = cell_records(ranks, per_rank)
+    took, cpu = [], []
+    for _ in range(reps):
+        t0, c0 = time.perf_counter(), time.process_time()
+        assert breakdown(records).text  # the table too, as the view shows it
+        took.append(time.perf_counter() - t0)
+        cpu.append(time.process_time() - c0)
+    return {
+        "breakdown_s": statistics.median(took),
+        "breakdown_cpu_s": statistics.median(cpu),
+        "records": len(records),
+        "ranks": ranks,
+    }

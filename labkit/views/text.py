@@ -53,7 +53,7 @@ class _Text(HTMLParser):
         elif tag == "caption":
             self._flush()
         elif tag == "table" and self.table is not None:
-            self.lines.extend(_columns([row for row in self.table if row]))
+            self.lines.extend(columns([row for row in self.table if row]))
             self.table = None
         elif tag in _BLOCKS and self.cell is None:
             self._flush()
@@ -64,7 +64,7 @@ class _Text(HTMLParser):
         (self.cell if self.cell is not None else self.line).append(data)
 
 
-def _columns(rows: list[list[str]]) -> list[str]:
+def columns(rows: list[list[str]]) -> list[str]:
     """Rows as text lines, each column as wide as its widest cell."""
     if not rows:
         return []

@@ -11,6 +11,9 @@ and a folded table lists every call (rank, op, seq, bytes, duration):
     compute = length of the union of its spans, less the time also inside a comm call
     idle    = window - length of the union of everything it did
 
+(`timeline_summary`, in labkit.views.breakdown_data; `show_breakdown` splits the same time
+further: communication hidden under compute or exposed, waiting, and the straggler.)
+
 On CUDA a call's record also carries `device_time` (CUDA events around it on the current
 stream; None on CPU). Those calls get a second, thinner track under their rank, "rank r
 device", with a bar of the device time: CUDA events measure a duration, not a clock time, so
@@ -20,7 +23,6 @@ table then adds each rank's summed device time beside its host communication tim
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import ipywidgets as widgets
@@ -38,57 +40,11 @@ from labkit.views._common import (
     warning_html,
 )
 from labkit.views.bandwidth import algbw, busbw_factor
+from labkit.views.breakdown_data import timeline_summary
+from labkit.views.intervals import gaps, union
 from labkit.wire.records import CommRecord, SpanRecord
 
 __all__ = ["TimelineView", "device_times", "show_timeline", "timeline_summary"]
-
-Interval = tuple[float, float]
-
-
-def union(intervals: Iterable[Interval]) -> list[Interval]:
-    """Sorted, merged, non-overlapping intervals."""
-    merged: list[list[float]] = []
-    for start, end in sorted(intervals):
-        if merged and start <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], end)
-        else:
-            merged.append([start, end])
-    return [(a, b) for a, b in merged]
-
-
-def _length(intervals: Iterable[Interval]) -> float:
-    return sum(b - a for a, b in intervals)
-
-
-def _gaps(busy: list[Interval], window: Interval) -> list[Interval]:
-    gaps, cursor = [], window[0]
-    for start, end in busy:
-        if start > cursor:
-            gaps.append((cursor, start))
-        cursor = max(cursor, end)
-    if window[1] > cursor:
-        gaps.append((cursor, window[1]))
-    return gaps
-
-
-def timeline_summary(records: list[Record]) -> dict[int, dict[str, float]]:
-    """Per rank: seconds of compute, comm, idle and the window total, and their percentages."""
-    if not records:
-        return {}
-    window = (min(r.start for r in records), max(r.end for r in records))
-    total = window[1] - window[0]
-    out = {}
-    for rank in sorted({r.rank for r in records}):
-        mine = [r for r in records if r.rank == rank]
-        comm = union((r.start, r.end) for r in mine if isinstance(r, CommRecord))
-        busy = union((r.start, r.end) for r in mine)
-        row = {"comm": _length(comm), "total": total}
-        row["compute"] = _length(busy) - row["comm"]
-        row["idle"] = total - _length(busy)
-        for key in ("compute", "comm", "idle"):
-            row[f"{key}_pct"] = 100 * row[key] / total if total > 0 else 0.0
-        out[rank] = row
-    return out
 
 
 def _comm_trace(op: str, recs: list[CommRecord], t0: float) -> go.Bar:
@@ -168,7 +124,7 @@ def _idle_trace(records: list[Record], t0: float) -> go.Bar:
     ys, bases, widths = [], [], []
     for rank in sorted({r.rank for r in records}):
         busy = union((r.start, r.end) for r in records if r.rank == rank)
-        for a, b in _gaps(busy, window):
+        for a, b in gaps(busy, window):
             ys.append(rank)
             bases.append((a - t0) * 1e3)
             widths.append((b - a) * 1e3)
