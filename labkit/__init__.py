@@ -35,6 +35,8 @@ __all__ = [
     "flight_recorder",
     "auto_split",
     "run_command",
+    "simulate",
+    "show_world",
     "load_ipython_extension",
     "prewarm",
     "__version__",
@@ -58,6 +60,8 @@ _LAZY = {
     "flight_recorder": "labkit.kernel.inspection.flight_recorder",
     "auto_split": "labkit.parallel.auto_split",
     "run_command": "labkit.kernel.cell.commands",
+    "simulate": "labkit.rank.fake_world",
+    "show_world": "labkit.views.world_view",
 }
 
 

@@ -1,0 +1,342 @@
+"""A simulated world of up to thousands of ranks, run in this one process (it plays the ranks).
+
+`simulate(world=(8, 8, 16), names=("dp", "tp", "pp"), setup=fn)` calls `fn(mesh)` the way
+every rank of a real job would, on torch's fake process group (`dist.init_process_group("fake",
+...)`: collectives return at once, nothing is sent, no GPU is needed; torchtitan estimates
+memory the same way). `fn` builds and parallelises a model with the real APIs (`fully_shard`,
+`parallelize_module`, DTensor) on a real `DeviceMesh` of that shape, may run a forward and
+backward (the collectives it makes are recorded by labkit's tracer, `labkit.rank.trace`), and
+returns the model, or `(model, optimizer)`.
+
+One rank per class, not every rank: running `fn` takes ~0.3 s per rank for a small model, ~5 min
+for 1,024 ranks. So `fn` runs once per *representative*: the rank at coordinate 0 on every mesh
+axis except the `vary` axes (default: an axis named "pp", whose stages build different layers),
+and every other rank is derived from its class's representative by its mesh coordinate:
+
+- a DTensor's local shard is computed for the rank's coordinate by DTensor's own rule
+  (`compute_local_shape_and_global_offset`, uneven and strided shards included);
+- a plain tensor is held whole, as on the representative;
+- a collective on a group that spans mesh axes A is the same call on the rank's own group
+  along A (the group's ranks with the rank's coordinates on the other axes); a send goes to
+  the peer at the same offset.
+
+That holds when `fn` is SPMD within a class (every rank runs the same code, and only DTensor's
+placements make shards differ: FSDP2, TP, DTensor ops), which is how those APIs are used.
+`every_rank=True` runs `fn` on every rank instead (the tests check both agree on small worlds).
+DDP's bucket all-reduces, issued from C++, are not recorded here.
+
+Only this process's `torch.distributed` state is used: there must be no process group yet
+(not on a lab's rank), and the fake one is destroyed after each representative. DTensor's
+sharding caches are cleared between them (torch keys them by mesh shape, so a stale entry
+would name a destroyed group): `torch_compat`'s `fake_world` feature says what this torch
+lacks, if anything. Imports only torch and labkit's rank side.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from labkit.rank import torch_compat
+from labkit.wire.records import CommRecord
+
+__all__ = ["SimulatedWorld", "simulate"]
+
+MAX_WORLD = 65_536
+
+
+def _require() -> Any:
+    parts = torch_compat.get("fake_world")
+    if parts is None:
+        reason = torch_compat.missing("fake_world")
+        raise RuntimeError(f"labkit.simulate needs torch's fake process group: {reason}")
+    return parts
+
+
+@dataclass
+class _Run:
+    """What one representative rank held and called."""
+
+    rank: int
+    rows: list[dict[str, Any]]
+    specs: list[Any]  # per row: (global shape, placements, submesh ranks as nested list) or None
+    records: list[CommRecord]
+
+
+@dataclass
+class SimulatedWorld:
+    """A simulated world: `shape`, `names` (mesh axes), the representatives that ran
+    (`ran`), `seconds` of wall time; `placement()`, `traffic()` and `memory()` for views."""
+
+    shape: tuple[int, ...]
+    names: tuple[str, ...]
+    vary: tuple[str, ...]
+    runs: dict[int, _Run]
+    seconds: float
+    _rows: dict[int, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
+    _records: dict[int, list[CommRecord]] = field(default_factory=dict, repr=False)
+
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def ran(self) -> list[int]:
+        return sorted(self.runs)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """The rank's coordinate on each mesh axis (row-major, as `init_device_mesh`)."""
+        out = []
+        for size in reversed(self.shape):
+            rank, c = divmod(rank, size)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def rank_at(self, coords: Sequence[int]) -> int:
+        rank = 0
+        for c, size in zip(coords, self.shape, strict=True):
+            rank = rank * size + c
+        return rank
+
+    def representative(self, rank: int) -> int:
+        """The rank that ran `setup` for `rank`'s class (itself when every rank ran)."""
+        if rank in self.runs:
+            return rank
+        c = self.coords(rank)
+        return self.rank_at([c[i] if n in self.vary else 0 for i, n in enumerate(self.names)])
+
+    def axes_of(self, ranks: Sequence[int]) -> tuple[str, ...]:
+        """The mesh axes along which `ranks` differ: a group's axes ("tp"; ("dp", "tp"))."""
+        cs = [self.coords(r) for r in ranks]
+        return tuple(n for i, n in enumerate(self.names) if len({c[i] for c in cs}) > 1)
+
+    def _move(self, q: int, axes: set[int], target: tuple[int, ...]) -> int:
+        """`q` moved to `target`'s coordinates on every axis outside `axes`."""
+        c = self.coords(q)
+        return self.rank_at([c[i] if i in axes else target[i] for i in range(len(c))])
+
+    def _varying(self, ranks: Sequence[int]) -> set[int]:
+        cs = [self.coords(r) for r in ranks]
+        return {i for i in range(len(self.shape)) if len({c[i] for c in cs}) > 1}
+
+    def placement(self, ranks: Sequence[int] | None = None) -> list[dict[str, Any]]:
+        """Rows of `labkit.rank.placement_probe.describe_model` for every rank (or `ranks`):
+        what `labkit.show_placement(rows)` draws."""
+        out = []
+        for r in range(self.world_size) if ranks is None else ranks:
+            out.extend(self._rows_of(r))
+        return out
+
+    def _rows_of(self, rank: int) -> list[dict[str, Any]]:
+        if rank not in self._rows:
+            if not 0 <= rank < self.world_size:
+                raise ValueError(f"rank must be in [0, {self.world_size}), got {rank}")
+            self._rows[rank] = self._derive_rows(rank)
+        return self._rows[rank]
+
+    def _derive_rows(self, rank: int) -> list[dict[str, Any]]:
+        run = self.runs[self.representative(rank)]
+        if run.rank == rank:
+            return run.rows
+        local_shape = torch_compat.get("fake_world")["local_shape"]
+        target, out = self.coords(rank), []
+        for row, spec in zip(run.rows, run.specs, strict=True):
+            row = dict(row, rank=rank)
+            if spec is not None:
+                shape, placements, sub = spec
+                flat = [q for q in _flatten(sub)]
+                axes = self._varying(flat)
+                moved = [self._move(q, axes, target) for q in flat]
+                pos = _unravel(moved.index(rank), _dims(sub))
+                local, offset = local_shape(shape, _dims(sub), list(pos), placements)
+                numel = math.prod(local)
+                size = row["bytes"] // max(row["numel"], 1) if row["numel"] else _esize(row)
+                dims = sorted({s[0] for s in row["shard"]})
+                row.update(
+                    local_shape=tuple(local),
+                    numel=numel,
+                    bytes=numel * size,
+                    mesh=_regroup(moved, _dims(sub)),
+                    shard=[(d, int(offset[d]), int(offset[d] + local[d])) for d in dims],
+                )
+            out.append(row)
+        return out
+
+    def traffic(self, ranks: Sequence[int] | None = None) -> list[CommRecord]:
+        """Every rank's (or `ranks`') CommRecords of the collectives `setup` made: what
+        `labkit.show_comm(records)` draws (bytes per link) and `labkit.show_world` sums per
+        mesh axis."""
+        out = []
+        for r in range(self.world_size) if ranks is None else ranks:
+            if r not in self._records:
+                self._records[r] = self._derive_records(r)
+            out.extend(self._records[r])
+        return out
+
+    def _derive_records(self, rank: int) -> list[CommRecord]:
+        run = self.runs[self.representative(rank)]
+        if run.rank == rank:
+            return run.records
+        target, out = self.coords(rank), []
+        for rec in run.records:
+            # the group moves along the axes it spans; a peer (p2p, or a root outside the
+            # group's axes) keeps its offset from the representative
+            axes = self._varying(rec.group)
+            peer = rec.peer
+            if peer is not None:
+                p_axes = axes if peer in rec.group else self._varying([run.rank, peer])
+                peer = self._move(peer, p_axes, target)
+            group = tuple(self._move(q, axes, target) for q in rec.group)
+            out.append(replace(rec, rank=rank, group=group, peer=peer))
+        return out
+
+    def memory(self) -> dict[int, dict[str, int]]:
+        """Per rank, once gradients and optimizer state exist: bytes of `params` (and
+        buffers), `grads` (one per trainable parameter, sharded alike), `optimizer`
+        (`optim_slots` parameter-sized tensors each: Adam 2) and `total`."""
+        out = {}
+        for r in range(self.world_size):
+            rows = [x for x in self._rows_of(r) if x["kind"] in ("param", "buffer")]
+            params = [x for x in rows if x["kind"] == "param"]
+            m = {
+                "params": sum(x["bytes"] for x in rows),
+                "grads": sum(x["bytes"] for x in params if x["requires_grad"]),
+                "optimizer": sum(x["bytes"] * (x.get("optim_slots") or 0) for x in params),
+            }
+            m["total"] = sum(m.values())
+            out[r] = m
+        return out
+
+
+def _esize(row: dict[str, Any]) -> int:
+    import torch
+
+    return torch.empty((), dtype=getattr(torch, row["dtype"])).element_size()
+
+
+def _flatten(nested: Any) -> list[int]:
+    if isinstance(nested, list):
+        return [q for item in nested for q in _flatten(item)]
+    return [int(nested)]
+
+
+def _dims(nested: Any) -> list[int]:
+    dims = []
+    while isinstance(nested, list):
+        dims.append(len(nested))
+        nested = nested[0] if nested else None
+    return dims
+
+
+def _unravel(index: int, dims: list[int]) -> tuple[int, ...]:
+    out = []
+    for size in reversed(dims):
+        index, c = divmod(index, size)
+        out.append(c)
+    return tuple(reversed(out))
+
+
+def _regroup(flat: list[int], dims: list[int]) -> Any:
+    if len(dims) <= 1:
+        return list(flat)
+    step = len(flat) // dims[0]
+    return [_regroup(flat[i * step : (i + 1) * step], dims[1:]) for i in range(dims[0])]
+
+
+def _spec(param: Any) -> Any:
+    mesh = getattr(param, "device_mesh", None)
+    if mesh is None:
+        return None
+    return (tuple(param.shape), tuple(param.placements), mesh.mesh.tolist())
+
+
+def _run_one(
+    rank: int, shape: tuple[int, ...], names: tuple[str, ...], setup: Callable, parts: Any
+) -> _Run:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from labkit.rank import placement_probe, trace
+    from labkit.rank.trace_state import STATE
+
+    world = math.prod(shape)
+    dist.init_process_group("fake", rank=rank, world_size=world, store=parts["store"]())
+    cell = -1 - rank  # cells of its own, dropped below: a lab's trace is never touched
+    try:
+        STATE.seq.clear()
+        STATE.p2p.clear()
+        trace.begin_cell(cell, rank)
+        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+        built = setup(mesh)
+        model, optimizer = built if isinstance(built, tuple) else (built, None)
+        records = [r for r in trace.records(cell) if isinstance(r, CommRecord)]
+        rows = placement_probe.describe_model(model, optimizer=optimizer, rank=rank)
+        by_name = dict(model.named_parameters()) | dict(model.named_buffers())
+        specs = [_spec(by_name[r["qualname"]]) for r in rows]
+        return _Run(rank, rows, specs, records)
+    finally:
+        STATE.records.pop(cell, None)
+        if cell in STATE.order:
+            STATE.order.remove(cell)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        parts["clear_caches"]()
+
+
+def simulate(
+    world: Sequence[int],
+    names: Sequence[str],
+    setup: Callable[[Any], Any],
+    *,
+    vary: Sequence[str] | None = None,
+    every_rank: bool = False,
+) -> SimulatedWorld:
+    """Run `setup(mesh)` on a fake process group for a `world`-shaped mesh (module doc).
+
+    Runs in this process (the notebook's kernel, or a script), which must have no process
+    group. `vary`: the axes whose coordinate changes what `setup` builds (default: "pp" if
+    named); `every_rank`: run every rank instead of one per class. Example::
+
+        def setup(mesh):
+            model = parallelize_module(MLP(), mesh["tp"], plan)
+            fully_shard(model, mesh=mesh["dp"])
+            model(torch.randn(8, 64)).sum().backward()
+            return model, torch.optim.Adam(model.parameters())
+
+        world = labkit.simulate((32, 8), ("dp", "tp"), setup)
+        labkit.show_world(world)
+    """
+    import torch.distributed as dist
+
+    shape, names = tuple(int(s) for s in world), tuple(names)
+    if not shape or any(s < 1 for s in shape) or len(names) != len(shape):
+        raise ValueError(f"world must be sizes >= 1, one per name in {names}, got {tuple(world)}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"names must differ, got {names}")
+    if not 1 <= math.prod(shape) <= MAX_WORLD:
+        raise ValueError(f"the world must have 1 to {MAX_WORLD} ranks, got {math.prod(shape)}")
+    vary = tuple(vary) if vary is not None else tuple(n for n in names if n == "pp")
+    if set(vary) - set(names):
+        raise ValueError(f"vary must name axes of {names}, got {vary}")
+    parts = _require()
+    if dist.is_available() and dist.is_initialized():
+        raise RuntimeError(
+            "labkit.simulate runs in a process without a process group (the notebook's "
+            "kernel, a script): this one has one (a lab's rank?)"
+        )
+    from labkit.rank import trace
+
+    trace.install()
+    start = time.perf_counter()
+    sim = SimulatedWorld(shape, names, vary, {}, 0.0)
+    if every_rank:
+        ranks = range(sim.world_size)
+    else:
+        ranks = sorted({sim.representative(r) for r in range(sim.world_size)})
+    for r in ranks:
+        sim.runs[r] = _run_one(r, shape, names, setup, parts)
+    sim.seconds = time.perf_counter() - start
+    return sim
