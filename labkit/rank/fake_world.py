@@ -41,7 +41,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from labkit.rank import torch_compat
-from labkit.wire.records import CommRecord
+from labkit.wire.records import P2P_OPS, CommRecord
 
 __all__ = ["SimulatedWorld", "simulate"]
 
@@ -62,7 +62,7 @@ class _Run:
 
     rank: int
     rows: list[dict[str, Any]]
-    specs: list[Any]  # per row: (global shape, placements, submesh ranks as nested list) or None
+    specs: list[Any]  # per row: (shape, placements, submesh ranks nested, flat, dims) or None
     records: list[CommRecord]
 
 
@@ -78,6 +78,7 @@ class SimulatedWorld:
     seconds: float
     _rows: dict[int, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
     _records: dict[int, list[CommRecord]] = field(default_factory=dict, repr=False)
+    _cache: dict[Any, Any] = field(default_factory=dict, repr=False)
 
     @property
     def world_size(self) -> int:
@@ -122,6 +123,18 @@ class SimulatedWorld:
         cs = [self.coords(r) for r in ranks]
         return {i for i in range(len(self.shape)) if len({c[i] for c in cs}) > 1}
 
+    def _moved(self, ranks: tuple[int, ...], target: tuple[int, ...]) -> tuple[int, ...]:
+        """The ranks of group `ranks` (which spans some axes) moved to the group along the
+        same axes through `target` (cached: every rank of one group asks for the same)."""
+        axes = self._cache.get(ranks)
+        if axes is None:
+            axes = self._cache[ranks] = self._varying(ranks)
+        key = (ranks, tuple(c for i, c in enumerate(target) if i not in axes))
+        moved = self._cache.get(key)
+        if moved is None:
+            moved = self._cache[key] = tuple(self._move(q, axes, target) for q in ranks)
+        return moved
+
     def placement(self, ranks: Sequence[int] | None = None) -> list[dict[str, Any]]:
         """Rows of `labkit.rank.placement_probe.describe_model` for every rank (or `ranks`):
         what `labkit.show_placement(rows)` draws."""
@@ -146,21 +159,22 @@ class SimulatedWorld:
         for row, spec in zip(run.rows, run.specs, strict=True):
             row = dict(row, rank=rank)
             if spec is not None:
-                shape, placements, sub = spec
-                flat = [q for q in _flatten(sub)]
-                axes = self._varying(flat)
-                moved = [self._move(q, axes, target) for q in flat]
-                pos = _unravel(moved.index(rank), _dims(sub))
-                local, offset = local_shape(shape, _dims(sub), list(pos), placements)
+                shape, placements, sub, flat, dims = spec
+                moved = self._moved(flat, target)
+                pos = _unravel(moved.index(rank), dims)
+                key = (id(spec), pos)
+                if key not in self._cache:
+                    self._cache[key] = local_shape(shape, dims, list(pos), placements)
+                local, offset = self._cache[key]
                 numel = math.prod(local)
                 size = row["bytes"] // max(row["numel"], 1) if row["numel"] else _esize(row)
-                dims = sorted({s[0] for s in row["shard"]})
+                dims_sharded = sorted({s[0] for s in row["shard"]})
                 row.update(
                     local_shape=tuple(local),
                     numel=numel,
                     bytes=numel * size,
-                    mesh=_regroup(moved, _dims(sub)),
-                    shard=[(d, int(offset[d]), int(offset[d] + local[d])) for d in dims],
+                    mesh=_regroup(list(moved), dims),
+                    shard=[(d, int(offset[d]), int(offset[d] + local[d])) for d in dims_sharded],
                 )
             out.append(row)
         return out
@@ -184,12 +198,13 @@ class SimulatedWorld:
         for rec in run.records:
             # the group moves along the axes it spans; a peer (p2p, or a root outside the
             # group's axes) keeps its offset from the representative
-            axes = self._varying(rec.group)
+            group = self._moved(rec.group, target)
             peer = rec.peer
             if peer is not None:
-                p_axes = axes if peer in rec.group else self._varying([run.rank, peer])
-                peer = self._move(peer, p_axes, target)
-            group = tuple(self._move(q, axes, target) for q in rec.group)
+                if rec.op not in P2P_OPS and peer in rec.group:
+                    peer = group[rec.group.index(peer)]
+                else:
+                    peer = self._move(peer, self._varying([run.rank, peer]), target)
             out.append(replace(rec, rank=rank, group=group, peer=peer))
         return out
 
@@ -250,7 +265,8 @@ def _spec(param: Any) -> Any:
     mesh = getattr(param, "device_mesh", None)
     if mesh is None:
         return None
-    return (tuple(param.shape), tuple(param.placements), mesh.mesh.tolist())
+    sub = mesh.mesh.tolist()
+    return (tuple(param.shape), tuple(param.placements), sub, tuple(_flatten(sub)), _dims(sub))
 
 
 def _run_one(

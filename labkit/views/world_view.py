@@ -25,6 +25,7 @@ import ipywidgets as widgets
 import plotly.graph_objects as go
 
 from labkit.views._common import View, html_table, human_bytes, title
+from labkit.views.bandwidth import canonical_op
 from labkit.views.comm_view import _sends
 
 __all__ = ["WorldView", "axis_traffic", "show_world"]
@@ -49,7 +50,7 @@ def axis_traffic(world: Any, records: list[Any] | None = None) -> dict[str, dict
     links: dict[str, dict[tuple[int, int], float]] = defaultdict(lambda: defaultdict(float))
     groups: dict[str, set[tuple[int, ...]]] = defaultdict(set)
     for r in records:
-        p2p = r.peer is not None and r.peer not in r.group
+        p2p = r.peer is not None and canonical_op(r.op) in ("send", "recv")
         key = label((r.rank, r.peer) if p2p else tuple(r.group))
         groups[key].add(tuple(sorted((r.rank, r.peer))) if p2p else tuple(r.group))
         calls[key][r.rank] += 1
@@ -154,7 +155,7 @@ def memory_figure(memory: dict[int, dict[str, int]]) -> go.Figure:
 class WorldView(View):
     """The widget `show_world` returns: `world`, `memory` (per rank), `traffic` (per axis)."""
 
-    PARAM_HEADERS = ("parameter", "shape", "placements", "rank 0's shard", "bytes", "ranks")
+    PARAM_HEADERS = ("parameter", "shape", "placements", "first shard", "bytes", "ranks")
     MEMORY_HEADERS = ("ranks", "params", "grads", "optimizer", "total")
     AXIS_HEADERS = (
         "mesh axis",
