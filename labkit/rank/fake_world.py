@@ -269,6 +269,28 @@ def _spec(param: Any) -> Any:
     return (tuple(param.shape), tuple(param.placements), sub, tuple(_flatten(sub)), _dims(sub))
 
 
+def _install_tracer() -> None:
+    """labkit's tracer, and its wrappers bound in torch's modules that imported a function
+    by value before it was installed (`_collective_utils`' `scatter`, DTensor's scatter of
+    the shards from the group's first rank): a lab's rank installs it before any such import,
+    a notebook's kernel may have imported them already."""
+    import sys
+
+    import torch.distributed as dist
+
+    from labkit.rank import dist_tracing, trace
+
+    trace.install()
+    for op in dist_tracing.OPS:
+        traced = getattr(dist, op, None)
+        original = getattr(traced, "__labkit_traced__", None)
+        if original is None:
+            continue
+        for name, module in list(sys.modules.items()):
+            if name.startswith("torch.distributed") and getattr(module, op, None) is original:
+                setattr(module, op, traced)
+
+
 def _run_one(
     rank: int, shape: tuple[int, ...], names: tuple[str, ...], setup: Callable, parts: Any
 ) -> _Run:
@@ -343,9 +365,7 @@ def simulate(
             "labkit.simulate runs in a process without a process group (the notebook's "
             "kernel, a script): this one has one (a lab's rank?)"
         )
-    from labkit.rank import trace
-
-    trace.install()
+    _install_tracer()
     start = time.perf_counter()
     sim = SimulatedWorld(shape, names, vary, {}, 0.0)
     if every_rank:
