@@ -162,7 +162,7 @@ class SimulatedWorld:
                 shape, placements, sub, flat, dims = spec
                 moved = self._moved(flat, target)
                 pos = _unravel(moved.index(rank), dims)
-                key = (id(spec), pos)
+                key = (shape, placements, tuple(dims), pos)  # q, k, v of every layer alike
                 if key not in self._cache:
                     self._cache[key] = local_shape(shape, dims, list(pos), placements)
                 local, offset = self._cache[key]
