@@ -122,9 +122,33 @@ def test_show_world_sums_bytes_per_mesh_axis_by_the_ring_convention() -> None:
         sum(r.bytes for r in sends if r.rank == q) for q in range(8)
     )
     assert all(world.axes_of((r.rank, r.peer)) == ("pp",) for r in sends)
-    text = show_world(world).to_text()
+    view = show_world(world)
+    assert view.traffic == traffic and view.memory == world.memory() and len(view.figures) == 1
+    bars = view.figures[0].data
+    assert [b.name for b in bars] == ["params", "grads", "optimizer"] and len(bars[0].x) == 8
+    text = view.to_text()
     assert "simulated world of 8 ranks, mesh dp=2 x tp=2 x pp=2" in text
     assert "traffic per mesh axis" in text and "memory per rank" in text
+    # a few ranks through the existing views: the rank x parameter map, the traffic matrix
+    import labkit
+
+    placed = labkit.show_placement(world.placement(range(4)))
+    assert sorted(placed.memory) == [0, 1, 2, 3]
+    matrix = labkit.show_comm(world.traffic(range(4))).matrix
+    assert matrix[0][1] > 0 and matrix[0][4] > 0  # rank 0's TP peer, and its next stage
+
+
+def _not_spmd(mesh):
+    width = 8 * (1 + mesh["dp"].get_local_rank())  # each dp rank builds a different layer
+    return torch.nn.Linear(width, 4)
+
+
+def test_a_setup_that_differs_within_a_class_is_caught() -> None:
+    with pytest.raises(ValueError, match="rank 3's parameters differ.*vary="):
+        simulate((2, 2), ("dp", "tp"), _not_spmd)
+    world = simulate((2, 2), ("dp", "tp"), _not_spmd, vary=("dp",))
+    assert world.ran == [0, 2]
+    assert world.memory()[3]["params"] == (16 * 4 + 4) * 4
 
 
 def test_simulate_says_what_this_torch_lacks() -> None:

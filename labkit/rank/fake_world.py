@@ -8,10 +8,9 @@ memory the same way). `fn` builds and parallelises a model with the real APIs (`
 backward (the collectives it makes are recorded by labkit's tracer, `labkit.rank.trace`), and
 returns the model, or `(model, optimizer)`.
 
-One rank per class, not every rank: running `fn` takes ~0.3 s per rank for a small model, ~5 min
-for 1,024 ranks. So `fn` runs once per *representative*: the rank at coordinate 0 on every mesh
-axis except the `vary` axes (default: an axis named "pp", whose stages build different layers),
-and every other rank is derived from its class's representative by its mesh coordinate:
+One rank per class: `fn` takes ~0.3 s a rank for a small model (5 min for 1,024 ranks), so it
+runs once per *representative*, the rank at coordinate 0 on every axis but the `vary` axes
+(default: one named "pp", whose stages build different layers); the others are derived:
 
 - a DTensor's local shard is computed for the rank's coordinate by DTensor's own rule
   (`compute_local_shape_and_global_offset`, uneven and strided shards included);
@@ -22,14 +21,15 @@ and every other rank is derived from its class's representative by its mesh coor
 
 That holds when `fn` is SPMD within a class (every rank runs the same code, and only DTensor's
 placements make shards differ: FSDP2, TP, DTensor ops), which is how those APIs are used.
-`every_rank=True` runs `fn` on every rank instead (the tests check both agree on small worlds).
-DDP's bucket all-reduces, issued from C++, are not recorded here.
+`simulate` also runs the last rank and checks it against what is derived for it (a ValueError
+if they differ: name more axes in `vary`); `every_rank=True` runs `fn` on every rank instead.
+DDP's bucket all-reduces, issued from C++, are not recorded.
 
-Only this process's `torch.distributed` state is used: there must be no process group yet
-(not on a lab's rank), and the fake one is destroyed after each representative. DTensor's
-sharding caches are cleared between them (torch keys them by mesh shape, so a stale entry
-would name a destroyed group): `torch_compat`'s `fake_world` feature says what this torch
-lacks, if anything. Imports only torch and labkit's rank side.
+This process's `torch.distributed` state is used: it must have no process group (not a lab's
+rank); the fake one is destroyed after each representative, and DTensor's sharding caches
+cleared (torch keys them by mesh shape: a stale entry would name a destroyed group).
+`torch_compat`'s `fake_world` feature says what this torch lacks, if anything. Imports only
+torch and labkit's rank side.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class _Run:
 
     rank: int
     rows: list[dict[str, Any]]
-    specs: list[Any]  # per row: (shape, placements, submesh ranks nested, flat, dims) or None
+    specs: list[Any]  # per row: (shape, placements, submesh ranks, its dims, element size)
     records: list[CommRecord]
 
 
@@ -159,7 +159,7 @@ class SimulatedWorld:
         for row, spec in zip(run.rows, run.specs, strict=True):
             row = dict(row, rank=rank)
             if spec is not None:
-                shape, placements, sub, flat, dims = spec
+                shape, placements, flat, dims, size = spec
                 moved = self._moved(flat, target)
                 pos = _unravel(moved.index(rank), dims)
                 key = (shape, placements, tuple(dims), pos)  # q, k, v of every layer alike
@@ -167,7 +167,6 @@ class SimulatedWorld:
                     self._cache[key] = local_shape(shape, dims, list(pos), placements)
                 local, offset = self._cache[key]
                 numel = math.prod(local)
-                size = row["bytes"] // max(row["numel"], 1) if row["numel"] else _esize(row)
                 dims_sharded = sorted({s[0] for s in row["shard"]})
                 row.update(
                     local_shape=tuple(local),
@@ -226,12 +225,6 @@ class SimulatedWorld:
         return out
 
 
-def _esize(row: dict[str, Any]) -> int:
-    import torch
-
-    return torch.empty((), dtype=getattr(torch, row["dtype"])).element_size()
-
-
 def _flatten(nested: Any) -> list[int]:
     if isinstance(nested, list):
         return [q for item in nested for q in _flatten(item)]
@@ -266,7 +259,8 @@ def _spec(param: Any) -> Any:
     if mesh is None:
         return None
     sub = mesh.mesh.tolist()
-    return (tuple(param.shape), tuple(param.placements), sub, tuple(_flatten(sub)), _dims(sub))
+    return (tuple(param.shape), tuple(param.placements), tuple(_flatten(sub)), _dims(sub),
+            param.element_size())  # fmt: skip
 
 
 def _install_tracer() -> None:
@@ -365,14 +359,41 @@ def simulate(
             "labkit.simulate runs in a process without a process group (the notebook's "
             "kernel, a script): this one has one (a lab's rank?)"
         )
+    from labkit.rank.trace_state import STATE
+
     _install_tracer()
+    saved = (STATE.cell, STATE.rank, dict(STATE.seq), dict(STATE.p2p))
     start = time.perf_counter()
     sim = SimulatedWorld(shape, names, vary, {}, 0.0)
     if every_rank:
         ranks = range(sim.world_size)
     else:
         ranks = sorted({sim.representative(r) for r in range(sim.world_size)})
-    for r in ranks:
-        sim.runs[r] = _run_one(r, shape, names, setup, parts)
+    try:
+        for r in ranks:
+            sim.runs[r] = _run_one(r, shape, names, setup, parts)
+        last = sim.world_size - 1
+        if last not in sim.runs:  # the derivation checked on the rank farthest from its own
+            _check_derived(sim, _run_one(last, shape, names, setup, parts))
+    finally:
+        STATE.cell, STATE.rank = saved[0], saved[1]
+        STATE.seq, STATE.p2p = saved[2], saved[3]
     sim.seconds = time.perf_counter() - start
     return sim
+
+
+def _check_derived(sim: SimulatedWorld, run: _Run) -> None:
+    """`run` (a rank that really ran) against what its representative says it holds and calls."""
+    rep = sim.representative(run.rank)
+    keys = ("qualname", "local_shape", "bytes", "shard")
+    got = [tuple(r[k] for k in keys) for r in run.rows]
+    derived = [tuple(r[k] for k in keys) for r in sim._derive_rows(run.rank)]
+    calls = [(r.op, r.group, r.peer, r.bytes) for r in run.records]
+    derived_calls = [(r.op, r.group, r.peer, r.bytes) for r in sim._derive_records(run.rank)]
+    if got != derived or calls != derived_calls:
+        what = "parameters" if got != derived else "collectives"
+        raise ValueError(
+            f"setup is not the same code on every rank of a class: rank {run.rank}'s "
+            f"{what} differ from those derived from rank {rep} (vary={sim.vary}); name every "
+            "axis whose coordinate changes what setup builds in vary=, or pass every_rank=True"
+        )
