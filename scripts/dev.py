@@ -4,7 +4,10 @@ Creates `.venv` beside this repository (if missing), installs torch first and th
 its test extras in editable mode, then runs the command (lab, test, bench, check, docs, range):
 
 - lab:   JupyterLab on notebooks/ (http://127.0.0.1:8888)
-- test:  the test suite (installs Debian's chromium and Slurm for their tests when it can)
+- test:  the test suite (installs Debian's chromium and Slurm for their tests when it can); a
+         whole run (no test path given) runs the tests that mostly wait (`BESIDE_TESTS`) in a
+         second pytest beside the others and prints its report after theirs, with each part's
+         time; LABKIT_TEST_BESIDE=0 runs everything in one pytest
 - bench: the performance benchmark (python -m labkit.tools.bench)
 - check: every notebook top to bottom (labkit check)
 - docs:  the course site into build/site/ (scripts/build_site.py), from the notebooks that
@@ -30,6 +33,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 VENV = os.path.join(ROOT, ".venv")
@@ -62,6 +66,68 @@ RANGE_TESTS = [
     "tests/test_notebooks.py::test_notebook_runs[10_process_groups.ipynb]",
     "tests/test_notebooks.py::test_notebook_runs[12_collectives.ipynb]",
 ]
+
+
+# Tests that mostly wait (for a browser, a Jupyter server, torchrun's agents, Slurm, a terminal,
+# a node's death): a whole `test` run gives them a pytest of their own beside the others', so
+# their waiting overlaps the others' computing (a 2-core CI machine sat at load 0.1-0.8 for the
+# last minutes of a run that had them in one queue).
+BESIDE_TESTS = [
+    "tests/test_browser.py",
+    "tests/test_attach.py",
+    "tests/test_cli_lab.py",
+    "tests/test_multihost.py",
+    "tests/test_slurm.py",
+    "tests/test_terminal.py",
+]
+# pytest options whose value is the next argument and may name a test path without selecting it
+PATH_VALUED = {"--deselect", "--ignore", "--ignore-glob", "--rootdir", "-c", "--confcutdir"}
+
+
+def selects_tests(args: list[str]) -> bool:
+    """Whether pytest arguments name tests to run (a path or node id), so no split applies."""
+    skip = False
+    for arg in args:
+        if skip:
+            skip = False
+        elif arg in PATH_VALUED:
+            skip = True
+        elif not arg.startswith("-") and os.path.exists(arg.split("::")[0]):
+            return True
+    return False
+
+
+def run_tests(rest: list[str]) -> int:
+    """pytest with `rest`; for a whole run, BESIDE_TESTS in a second pytest running alongside."""
+    pytest = [PY, "-m", "pytest"]
+    if os.environ.get("LABKIT_TEST_BESIDE") == "0" or selects_tests(rest):
+        return subprocess.call([*pytest, *rest])
+    log = os.path.join(ROOT, "build", "test-beside.log")
+    os.makedirs(os.path.dirname(log), exist_ok=True)
+    t0 = time.monotonic()
+    with open(log, "w") as out:
+        beside = subprocess.Popen(
+            [*pytest, *BESIDE_TESTS, *rest], stdout=out, stderr=subprocess.STDOUT
+        )
+    ignores = [f"--ignore={path}" for path in BESIDE_TESTS]
+    try:
+        main_code = subprocess.call([*pytest, *rest, *ignores])
+        main_s = time.monotonic() - t0
+        beside_code = beside.wait()
+    except KeyboardInterrupt:  # both pytests had the SIGINT too: let the beside one report
+        beside.wait()
+        raise
+    beside_s = time.monotonic() - t0
+    with open(log) as f:
+        report = f.read()
+    print(f"\n== beside: {' '.join(BESIDE_TESTS)} ({log})\n{report}", end="", flush=True)
+    print(
+        f"== parts: the others {main_s:.0f} s (exit {main_code}), beside {beside_s:.0f} s "
+        f"(exit {beside_code}), whole {time.monotonic() - t0:.0f} s",
+        flush=True,
+    )
+    codes = [c for c in (main_code, beside_code) if c != 5]  # 5: that part selected no test
+    return max(codes) if codes else 5
 
 
 def torch_version(python: str) -> str | None:
@@ -181,7 +247,7 @@ def main() -> int:
         os.execv(PY, [PY, "-m", "labkit", "lab", *rest])
     if cmd == "test":
         ensure_test_packages()
-        return subprocess.call([PY, "-m", "pytest", *rest])
+        return run_tests(rest)
     if cmd == "bench":
         return subprocess.call([PY, "-m", "labkit.tools.bench", *rest])
     if cmd == "check":

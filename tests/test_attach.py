@@ -252,6 +252,9 @@ def test_attached_ranks_leave_when_the_kernel_dies():
         kernel.wait()
         codes = wait_all(procs, 40)
         assert None not in codes, "torchrun's ranks outlived the kernel"
+        # the key file the dead kernel made in its private directory: removed by its ranks
+        assert os.path.basename(os.path.dirname(key_file)).startswith("labkit-"), key_file
+        assert not os.path.exists(os.path.dirname(key_file)), "the dead kernel's key was left"
     finally:
         if kernel.poll() is None:
             kernel.kill()

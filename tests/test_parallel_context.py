@@ -200,9 +200,9 @@ def test_compute_time_balances_under_zigzag(ranks: list[dict]) -> None:
     # CPU time of each rank's compute (S = 1024, d = 256, 4 ranks), against the FLOPs: contiguous
     # 1:2:3:4, zig-zag 9:9:9:9 at 9/16 of contiguous's busiest. Time is above 9/16 (about 0.6 to
     # 0.8 here): the step-0 pieces are masked, which costs more per pair, and zig-zag runs more,
-    # smaller pieces. Whole blocks at every step (what the plan avoids) ran 1.2 to 1.3 times
-    # contiguous's busiest in one process when these bounds were chosen. Loose bounds, for a busy
-    # machine.
+    # smaller pieces. Whole blocks at every step (what the plan avoids) ran 0.9 to 1.0 times
+    # contiguous's busiest (4 ranks, busy machine): too close for a clock to reject, which
+    # test_executed_flops_by_hand's exact count does. Loose bounds, for a busy machine.
     if len(ranks) != 4:
         pytest.skip("timed on 4 ranks")
     contiguous = [res["seconds"]["contiguous"] for res in ranks]

@@ -33,6 +33,8 @@ from typing import Any
 import zmq
 
 from labkit.rank import cuda_memory, stacks, trace
+from labkit.wire.config import RankConfig
+from labkit.wire.key_file import remove_orphaned_key
 from labkit.wire.messages import RankToKernel, Stacks, Status
 from labkit.wire.stop_board import StopBoard
 
@@ -66,6 +68,7 @@ class SideChannel:
     board: StopBoard | None  # the lab's Stop board (forked ranks)
     capture: Any
     debugging = False  # in a pdb session, waiting for the user (labkit.rank.debugger)
+    cfg: RankConfig
 
     def _leave_when_kernel_goes(self) -> None:
         """An attached rank has no parent in the lab: leave when the kernel's link drops."""
@@ -76,6 +79,8 @@ class SideChannel:
 
             recv_monitor_message(monitor)  # the link dropped (or its heartbeats timed out)
             print(f"labkit rank {self.rank}: the lab's kernel is gone; leaving", file=sys.stderr)
+            if self.cfg.key_file and self.cfg.kernel:  # the key file a killed kernel left
+                remove_orphaned_key(self.cfg.key_file, *self.cfg.kernel)
             time.sleep(0.2)  # let the capture thread log that line
             os._exit(1)
 

@@ -150,5 +150,7 @@ def main(argv: list[str] | None = None) -> None:
             device=welcome["device"],
             log_dir=args.log_dir,
             pg_timeout=welcome["pg_timeout"],
+            key_file=os.path.abspath(os.path.expanduser(args.key_file)),
+            kernel=(str(welcome["kernel"][0]), int(welcome["kernel"][1])),
         )
     )

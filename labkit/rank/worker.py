@@ -53,6 +53,7 @@ from labkit.rank.user_code import (
 from labkit.wire.codec import Codec
 from labkit.wire.config import RankConfig
 from labkit.wire.framed import SCHEME, LinkBroken, header
+from labkit.wire.key_file import remove_orphaned_key
 from labkit.wire.logfile import log_path
 from labkit.wire.messages import (
     Debug,
@@ -212,6 +213,8 @@ class Rank(SideChannel):
                 continue
             except LinkBroken as exc:  # the kernel is gone, or its link is corrupt: leave
                 print(f"labkit rank {self.rank}: leaving: ctrl link: {exc}", file=sys.stderr)
+                if self.cfg.key_file and self.cfg.kernel:  # attached: the key of a dead kernel
+                    remove_orphaned_key(self.cfg.key_file, *self.cfg.kernel)
                 self.capture.flush(timeout=1.0)
                 os._exit(1)
             except Exception as exc:  # a forged or corrupt message: log it, never unpickle

@@ -49,6 +49,9 @@ class RankConfig:
     stop_board: str | None = None  # the lab's Stop board, a file the rank maps to see at a
     # cell's start whether Stop was pressed for it (labkit.wire.stop_board); None: the rank
     # reads its side socket there instead (ranks attached over TCP)
+    key_file: str | None = None  # an attached rank's --key-file: removed when the rank finds
+    # its kernel dead, if it is the kernel's own (labkit.wire.key_file.remove_orphaned_key)
+    kernel: tuple[str, int] | None = None  # (host, pid) of an attached rank's kernel
 
     def __post_init__(self) -> None:
         _int_at_least("world_size", self.world_size, 1)

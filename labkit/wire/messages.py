@@ -41,9 +41,8 @@ between the kernel and its fork server, as one JSON object per line over the ser
 | server pipe | srv -> kernel  | `Warm`          | its one-off warm-up imports are done            |
 
 Every rank -> kernel message also carries `rank` and `gen` (`FromRank`), added by the rank's
-`reply()`/`send_side()`; the kernel drops messages of an older generation. `RankErrorInfo`
-(in `Done` and `Fatal`) and `DisplayInfo` (in `Done`) are parts of messages, not messages.
-No tag names two messages (tests/test_wire.py checks it): the fork server's hello is `facts`.
+`reply()`/`send_side()`; the kernel drops messages of an older generation. `RankErrorInfo` and
+`DisplayInfo` are parts of messages. No tag names two messages (tests/test_wire.py checks it).
 
 Imports only the standard library and labkit.wire.flight_records (a part of `Stacks`).
 """
@@ -151,6 +150,7 @@ class Welcome(TypedDict):
     backend: str  # "gloo" or "cpu:gloo,cuda:nccl", chosen by the kernel (policy.choose)
     device: str  # "cpu" or "cuda"
     pg_timeout: float
+    kernel: tuple[str, int]  # (host, pid): ranks outliving it remove its key file
 
 
 class Refused(TypedDict):

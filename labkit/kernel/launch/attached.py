@@ -178,6 +178,7 @@ class TorchrunRanks(RankLauncher):
             backend=choice.backend,
             device=choice.device,
             pg_timeout=self.pg_timeout,
+            kernel=(socket.gethostname(), os.getpid()),
         )
         channel.send(range(n), welcome)
         channel.routes.clear()  # each rank now signs in again from its serving socket
