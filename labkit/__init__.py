@@ -1,8 +1,9 @@
 """labkit: a Jupyter-driven lab for learning and debugging PyTorch parallelism.
 
 Kernel side: `Lab` (start ranks, run code on them, pull and push values), the views,
-`save_trace` (a trace as Chrome Trace Event JSON), and the IPython extension (`%load_ext
-labkit`, which also calls `prewarm()`). Rank side: `span` marks compute regions for the
+`save_trace` (a trace as Chrome Trace Event JSON), `simulate` / `show_world` (a world of
+hundreds of ranks played in this process on a fake process group), and the IPython extension
+(`%load_ext labkit`, which also calls `prewarm()`). Rank side: `span` marks compute regions for the
 timeline. Names load lazily, so a rank importing `labkit.rank.worker` never pulls in the
 kernel's dependencies (IPython, ipywidgets, plotly).
 
