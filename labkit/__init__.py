@@ -1,8 +1,9 @@
 """labkit: a Jupyter-driven lab for learning and debugging PyTorch parallelism.
 
 Kernel side: `Lab` (start ranks, run code on them, pull and push values), the views,
-`save_trace` (a trace as Chrome Trace Event JSON), and the IPython extension (`%load_ext
-labkit`, which also calls `prewarm()`). Rank side: `span` marks compute regions for the
+`save_trace` (a trace as Chrome Trace Event JSON), `simulate` / `show_world` (a world of
+hundreds of ranks played in this process on a fake process group), and the IPython extension
+(`%load_ext labkit`, which also calls `prewarm()`). Rank side: `span` marks compute regions for the
 timeline. Names load lazily, so a rank importing `labkit.rank.worker` never pulls in the
 kernel's dependencies (IPython, ipywidgets, plotly).
 
@@ -36,6 +37,8 @@ __all__ = [
     "flight_recorder",
     "auto_split",
     "run_command",
+    "simulate",
+    "show_world",
     "load_ipython_extension",
     "prewarm",
     "__version__",
@@ -60,6 +63,8 @@ _LAZY = {
     "flight_recorder": "labkit.kernel.inspection.flight_recorder",
     "auto_split": "labkit.parallel.auto_split",
     "run_command": "labkit.kernel.cell.commands",
+    "simulate": "labkit.rank.fake_world",
+    "show_world": "labkit.views.world_view",
 }
 
 

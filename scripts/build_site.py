@@ -45,6 +45,7 @@ PAGES = (  # the docs pages, in the site's order
     "torchrun",
     "troubleshooting",
     "traces",
+    "simulate",
     "gpu",
     "cluster",
     "curriculum",

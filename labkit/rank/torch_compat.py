@@ -20,6 +20,9 @@ and says `missing(name)` instead of failing: the lab works, without that feature
   and FSDP2's communication, and their groups).
 - `dtensor_local_shape`: `torch.distributed.tensor._utils.compute_local_shape_and_global_offset`
   (the placement view's slices of a DTensor, `labkit.parallel.two_d.local_piece`).
+- `fake_world`: `torch.testing._internal.distributed.fake_pg.FakeStore` (the "fake" backend),
+  `tensor._utils._compute_local_shape_and_global_offset` and the functions that clear DTensor's
+  sharding caches (`labkit.simulate`, `labkit.rank.fake_world`).
 - `profiler_event_tree`: `torch._C._profiler._EventType` (`labkit.parallel.zero_redundancy`'s
   allocation peaks from the profiler's event tree).
 
@@ -96,6 +99,28 @@ def _dtensor_local_shape() -> Any:
     return compute_local_shape_and_global_offset
 
 
+def _fake_world() -> Any:
+    import torch
+    import torch.distributed.tensor._redistribute as redistribute
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    native = torch._C._clear_DTensor_sharding_propagator_cache
+
+    def clear_caches() -> None:
+        propagator.propagate_op_sharding.cache_clear()
+        redistribute.clear_redistribute_planner_cache()
+        native()
+
+    return {
+        "store": FakeStore,
+        "local_shape": _compute_local_shape_and_global_offset,
+        "clear_caches": clear_caches,
+    }
+
+
 def _profiler_event_tree() -> Any:
     from torch._C._profiler import _EventType
 
@@ -128,6 +153,11 @@ FEATURES: dict[str, tuple[str, Callable[[], Any]]] = {
     "dtensor_local_shape": (
         "slices of a DTensor in the placement view, and no labkit.parallel.two_d.local_piece",
         _dtensor_local_shape,
+    ),
+    "fake_world": (
+        "labkit.simulate (torch's fake process group, FakeStore, DTensor's local-shape rule "
+        "for a given coordinate, and DTensor's sharding caches cleared between simulated ranks)",
+        _fake_world,
     ),
     "profiler_event_tree": (
         "allocation peaks from the profiler's event tree (labkit.parallel.zero_redundancy)",
