@@ -7,7 +7,8 @@ as a user resizes. At each width, for each view:
 
 - every drawn element (plotly's SVG, legends, titles, tick labels, colour bars, tables and
   widgets) lies inside the output area, and each legend inside its figure;
-- y tick labels end left of the plot area (not under a heat map);
+- y tick labels end left of the plot area (not under a heat map), each figure has its data,
+  and a box that holds one figure is no taller than it (no empty band under it);
 - table headers do not run together (padding between them) and are not cut off (a table
   wider than a narrow area, even with its cells wrapped, scrolls inside a box that fits);
 - the tensor panels fill their rows evenly (4 panels as 1 x 4 or 2 x 2, never 3 + 1).
@@ -89,6 +90,11 @@ CHECK_FIT = """(area) => {
     }
     for (const plot of out.querySelectorAll('.js-plotly-plot')) {
         if (!(plot.data && plot.data.length)) problems.push('a figure drawn without its data');
+        const holder = plot.parentElement;  // a box holding the figure alone: no empty band
+        if (holder && holder.children.length === 1 && shown(holder)) {
+            const gap = holder.getBoundingClientRect().height - plot.getBoundingClientRect().height;
+            if (gap > 8) problems.push(`${Math.round(gap)} px of empty box under a figure`);
+        }
         const svg = plot.querySelector('.main-svg');
         if (!svg) { problems.push('a figure without its SVG'); continue; }
         const fig = svg.getBoundingClientRect();

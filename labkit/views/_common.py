@@ -322,8 +322,10 @@ def op_colour(op: str) -> str:
 
 
 def fixed_box(widget: widgets.Widget, width: int) -> widgets.Box:
-    """`widget` (a figure with a fixed width) in a box of that width that never shrinks."""
-    return widgets.Box([widget], layout=widgets.Layout(flex=f"0 0 {width}px", width=f"{width}px"))
+    """`widget` (a figure with a fixed width) in a box of that width that never shrinks. Its
+    flex basis is `auto` (the box's own size on either axis): a basis of `width` px, inside a
+    view's column, made the box that tall, whatever the figure's height."""
+    return widgets.Box([widget], layout=widgets.Layout(flex="0 0 auto", width=f"{width}px"))
 
 
 def capped_box(widget: widgets.Widget, max_width: int) -> widgets.Box:
