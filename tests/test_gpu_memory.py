@@ -98,6 +98,9 @@ def test_placement_view_shows_gpu_memory_or_no_gpu():
     shared = PlacementView(rows, memory, [], {}, {0: _snap(MiB, MiB), 1: _snap(MiB, 3 * MiB)})
     assert any("2.0 MiB allocated, 4.0 MiB reserved in all" in n for n in shared.notes)
     assert any("GPU memory per rank" in getattr(c, "value", "") for c in shared.children)
+    cpu = PlacementView(rows, memory, [], {0: "cpu", 1: "cpu"}, {0: None, 1: None})
+    assert "GPU memory" not in cpu.to_html()  # CPU ranks: no table of "no GPU" rows
+    assert not any("GPU memory" in getattr(c, "value", "") for c in cpu.children)
 
 
 def test_lab_status_shows_gpu_memory_per_rank_and_the_sum(monkeypatch):

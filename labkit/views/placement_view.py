@@ -173,7 +173,7 @@ class PlacementView(View):
         children.append(capped_box(self.add_figure(placement_figure(rows)), 260 + 170 * ranks))
         children.append(self.add_figure(memory_figure(memory, devices)))
         children.append(widgets.HTML(self._memory_table()))
-        if self.gpu_memory:
+        if any(self.gpu_memory.values()):  # CPU ranks only: no table of "no GPU" rows
             children.append(widgets.HTML(self._gpu_table()))
         self.children = tuple(children)
 
@@ -222,7 +222,7 @@ class PlacementView(View):
             if r["kind"] != "activation"
         ]
         parts += [html_table(headers, body, "placement"), self._memory_table()]
-        if self.gpu_memory:
+        if any(self.gpu_memory.values()):
             parts.append(self._gpu_table())
         return "<div class='labkit-placement'>" + "".join(parts) + "</div>"
 
