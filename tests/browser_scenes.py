@@ -136,10 +136,25 @@ apart = {"checksums": [7, 9], "max_abs_diff": 0.25,
          "identical": False}
 show_replicas({"averaged": [same, same, same], "not averaged": [same, apart, apart]})"""
 
+WORLD = """from labkit.parallel.llama_3d import build_stage, layer_params, step
+
+h, ffn = 32, 64
+vocab = layer_params(h, ffn) // h
+
+
+def setup(mesh):  # a dp4 x tp2 x pp2 Llama-style job, one micro-batch
+    stage = build_stage(mesh, hidden=h, heads=4, ffn=ffn, vocab=vocab, num_layers=2)
+    step(stage, mesh, batch=1, seq=8, hidden=h, vocab=vocab)
+    return stage, torch.optim.Adam(stage.parameters())
+
+
+labkit.show_world(labkit.simulate((4, 2, 2), ("dp", "tp", "pp"), setup))"""
+
 # (name, cells): the last cell's output is the view
 VIEWS = [
     ("timeline", ("labkit.show_timeline(lab)",)),
     ("breakdown", ("labkit.show_breakdown(lab)",)),
+    ("world", (WORLD,)),
     ("comm", ("labkit.show_comm(lab)",)),
     (
         "tensors",

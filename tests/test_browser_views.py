@@ -172,6 +172,23 @@ def _resize(page, cell, width: int) -> None:
     page.wait_for_timeout(1200)
 
 
+def _picture(page, output, png: str) -> None:
+    """Save `output` as `png`; a view taller than the window gets a window tall enough for it
+    for the picture (else the picture ends in JupyterLab's status bar), then the old one back."""
+    viewport = page.viewport_size
+    height = output.evaluate("el => el.getBoundingClientRect().height")
+    if height > viewport["height"] - 300:
+        page.set_viewport_size({"width": viewport["width"], "height": int(height) + 400})
+        page.wait_for_timeout(1500)  # the figures follow the window's resize after a delay
+    try:
+        output.scroll_into_view_if_needed()
+        output.screenshot(path=png, animations="disabled")
+    finally:
+        if page.viewport_size != viewport:
+            page.set_viewport_size(viewport)
+            page.wait_for_timeout(600)
+
+
 def _views_console(messages: list[tuple[str, str]]) -> list[str]:
     return [
         f"{kind}: {text}"
@@ -225,9 +242,7 @@ def test_views_fit_the_output_area_and_log_nothing(jupyter) -> None:
                     if folder and width == PICTURE_WIDTH and name not in NO_PICTURE:
                         png = os.path.join(folder, f"{name}.png")
                         os.makedirs(folder, exist_ok=True)
-                        area.locator(".jp-OutputArea-output").first.screenshot(
-                            path=png, animations="disabled"
-                        )
+                        _picture(page, area.locator(".jp-OutputArea-output").first, png)
                         size = os.path.getsize(png)
                         assert size < MAX_PNG_BYTES, f"{png} is {size} bytes: make it smaller"
             logged = _views_console(messages)
