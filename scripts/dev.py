@@ -75,6 +75,7 @@ RANGE_TESTS = [
 # last minutes of a run that had them in one queue).
 BESIDE_TESTS = [
     "tests/test_browser.py",
+    "tests/test_browser_views.py",
     "tests/test_attach.py",
     "tests/test_cli_lab.py",
     "tests/test_multihost.py",

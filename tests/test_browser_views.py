@@ -36,16 +36,7 @@ from test_browser import _code_cells, _launch, _open, _run_all, _screenshot, _wa
 server = test_browser.server  # the fixtures, shared with tests/test_browser.py
 jupyter = test_browser.jupyter
 
-pytestmark = [
-    pytest.mark.browser,
-    # not yet reliable on a busy 2-core machine (figures left without data after the page lost
-    # its kernel connection in two runs; Jupyter not answering within 60 s in another), so it
-    # runs when asked for, not in CI: LABKIT_BROWSER_VIEWS=1 pytest tests/test_browser_views.py
-    pytest.mark.skipif(
-        not os.environ.get("LABKIT_BROWSER_VIEWS"),
-        reason="the views' fit in a browser runs when asked: LABKIT_BROWSER_VIEWS=1",
-    ),
-]
+pytestmark = pytest.mark.browser
 
 WIDTHS = (1200, 860, 600)  # output area widths checked, widest first (the run's)
 PICTURE_WIDTH = 860  # the screenshots' width
