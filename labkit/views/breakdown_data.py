@@ -10,10 +10,17 @@ profiler traces, and names the straggler:
   (`async_op=True`, `isend`, `irecv`) counts from its issue to its `wait()`: while it is in
   flight and the rank computes, that time is *overlapped* (hidden under compute); the rest is
   *exposed*. A blocking call can hide nothing (the rank's thread is inside it), even when a span
-  encloses it. On CUDA a call that carries `device_time` (CUDA events) counts as that long from
-  its host issue, and may overlap the rank's spans, since the device runs it beside the host;
+  encloses it. An async op counts until its `wait()` even if it finished earlier: overlapped is
+  the time the rank computed with an op in flight, not the time the wire was busy. On CUDA a
+  call that carries `device_time` (CUDA events on the current stream) counts as that long from
+  its host issue, and may overlap the rank's spans: NCCL returns to the host once a call is
+  queued, even a blocking-looking one, and the host runs on. Spans are host time, so that is
+  overlap with the host's work; kernels queued after a collective on the same stream wait for
+  it, and overlap of compute and communication kernels needs the device's own trace
+  (torch.profiler, HTA);
 - waiting: the part of the exposed communication spent in a collective before its last rank
-  entered it (collectives matched across ranks by group and sequence number);
+  entered it (collectives matched across ranks by group and sequence number), by the hosts'
+  entries: on GPU ranks the host runs ahead of the device, so it names a late host;
 - idle: the rest of the window (outside every span and call);
 - the straggler: the rank the others waited for the longest, summed over the cell's
   collectives, with how long each of them waited for it.
