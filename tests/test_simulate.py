@@ -162,3 +162,30 @@ def test_simulate_says_what_this_torch_lacks() -> None:
         simulate((2, 2), ("dp",), _llama)
     with pytest.raises(ValueError, match="vary must name axes"):
         simulate((2, 2), ("dp", "tp"), _llama, vary=("pp",))
+
+
+def _uneven(mesh):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 7))
+    plan = {"0": ColwiseParallel(output_layouts=Replicate())}  # 10 rows over tp 4: 3, 3, 3, 1
+    parallelize_module(model, mesh["tp"], plan)
+    fully_shard(model, mesh=mesh["dp"])  # then dp 3: strided, some empty; 7 rows: 3, 3, 1
+    model(torch.randn(2, 6)).sum().backward()
+    return model
+
+
+def test_uneven_and_strided_shards_derived_as_each_rank_holds_them() -> None:
+    """Derived from one representative vs every one of the 12 ranks run (fake process group)."""
+    derived = simulate((3, 4), ("dp", "tp"), _uneven)
+    every = simulate((3, 4), ("dp", "tp"), _uneven, every_rank=True)
+    assert derived.ran == [0] and len(every.ran) == 12
+    assert _shards(derived.placement()) == _shards(every.placement())
+    assert _calls(derived.traffic()) == _calls(every.traffic())
+    # 10 rows by tp: 3, 3, 3, 1; each by dp: 1 row or none (torch.chunk's sizes)
+    rows = {r: x["local_shape"] for x in every.placement() if x["qualname"] == "0.weight"
+            for r in [x["rank"]]}  # fmt: skip
+    assert sorted({shape[0] for shape in rows.values()}) == [0, 1]
+    assert sum(shape[0] for shape in rows.values()) == 10
