@@ -137,10 +137,15 @@ def test_device_time_is_the_communication_on_cuda() -> None:
         # the host call returns at once (NCCL enqueues it); the device ran it for 0.3 s
         _ar(0, 1, 0.5, 0.501, (0,), device_time=0.3),
         _ar(0, 2, 1.0, 1.2, (0,)),  # no events (a CPU tensor): host time
+        # an async op's events: its issue to its wait() on the current stream, 0.2 s
+        _ar(0, 3, 1.3, 1.301, (0,), async_op=True, device_time=0.2),
+        SpanRecord(rank=0, name="bwd", start=1.3, end=1.4),
     ]
     b = breakdown(recs)
-    # device 0.5-0.8, under the span; host 1.0-1.2 exposed
-    assert _row(b, 0) == pytest.approx((1.0, 0.5, 0.3, 0.2, 0.0, 0.0))
+    # blocking, device 0.5-0.8: the stream orders it between the span's kernels, so it hides
+    # nothing (compute 1.0 - 0.3 + 0.1); host 1.0-1.2 exposed; the async op 1.3-1.5 hides 0.1
+    # of its 0.2; idle 1.2-1.3; window 0-1.5
+    assert _row(b, 0) == pytest.approx((0.8, 0.7, 0.1, 0.6, 0.0, 0.1))
     assert b.row(0).source == "host+device" and "CUDA events where" in b.text
 
 
