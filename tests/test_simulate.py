@@ -74,11 +74,15 @@ def test_a_simulated_world_agrees_with_a_real_4_rank_gloo_lab() -> None:
 
 
 def _small_llama(mesh):
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     stage = build_stage(mesh, hidden=64, heads=4, ffn=128, vocab=640, num_layers=2)
-    return stage, torch.optim.Adam(stage.parameters())
+    step(stage, mesh, batch=1, seq=8, hidden=64, vocab=640)
+    adam = torch.optim.Adam(stage.parameters())
+    adam.step()  # the gradients and Adam's state exist: measured on the ranks that ran
+    return stage, adam
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_256_rank_world_holds_what_notebook_42s_formula_says() -> None:
     dp, tp, pp = 16, 4, 4
     world = simulate((dp, tp, pp), NAMES, _small_llama)
@@ -99,6 +103,11 @@ def test_a_256_rank_world_holds_what_notebook_42s_formula_says() -> None:
         ), rank
     from labkit.views.placement_data import memory_by_rank, merge_placement
 
+    for rank in world.ran:  # what torch allocated there, not memory()'s prediction from params
+        params = [x for x in world.placement([rank]) if x["kind"] == "param"]
+        assert sum(x["grad_bytes"] for x in params) == want.grads
+        # Adam's two moments, and its step counter: a 4-byte scalar per tensor
+        assert sum(x["optim_bytes"] for x in params) == want.optimizer + 4 * len(params)
     some = world.placement(range(0, 256, 17))
     for rank, m in memory_by_rank(merge_placement(some)).items():
         assert m["predicted"] == memory[rank]["total"]
@@ -177,6 +186,7 @@ def _uneven(mesh):
     return model
 
 
+@pytest.mark.timeout(120)
 def test_uneven_and_strided_shards_derived_as_each_rank_holds_them() -> None:
     """Derived from one representative vs every one of the 12 ranks run (fake process group)."""
     derived = simulate((3, 4), ("dp", "tp"), _uneven)
