@@ -28,7 +28,8 @@ profiler traces, and names the straggler:
 
     compute - overlapped + overlapped + exposed + idle = window, on every rank
 
-and `timeline_summary`'s compute is `compute - overlapped`, its comm `overlapped + exposed`.
+and, on host records (no `device_time`: the timeline's table counts host time),
+`timeline_summary`'s compute is `compute - overlapped`, its comm `overlapped + exposed`.
 """
 
 from __future__ import annotations
