@@ -183,7 +183,9 @@ def _uneven(mesh):
     parallelize_module(model, mesh["tp"], plan)
     fully_shard(model, mesh=mesh["dp"])  # then dp 3: strided, some empty; 7 rows: 3, 3, 1
     model(torch.randn(2, 6)).sum().backward()
-    return model
+    adam = torch.optim.Adam(model.parameters())
+    adam.step()
+    return model, adam
 
 
 @pytest.mark.timeout(120)
@@ -193,6 +195,14 @@ def test_uneven_and_strided_shards_derived_as_each_rank_holds_them() -> None:
     every = simulate((3, 4), ("dp", "tp"), _uneven, every_rank=True)
     assert derived.ran == [0] and len(every.ran) == 12
     assert _shards(derived.placement()) == _shards(every.placement())
+
+    # the gradients and Adam's state torch allocated, scaled to each derived rank's shard
+    def states(world):
+        return sorted((x["rank"], x["qualname"], x["grad_bytes"], x["optim_bytes"])
+                      for x in world.placement())  # fmt: skip
+
+    assert states(derived) == states(every)
+    assert derived.memory() == every.memory()
     assert _calls(derived.traffic()) == _calls(every.traffic())
     # 10 rows by tp: 3, 3, 3, 1; each by dp: 1 row or none (torch.chunk's sizes)
     rows = {r: x["local_shape"] for x in every.placement() if x["qualname"] == "0.weight"
