@@ -13,7 +13,8 @@ runs once per *representative*, the rank at coordinate 0 on every axis but the `
 (default: one named "pp", whose stages build different layers); the others are derived:
 
 - a DTensor's local shard is computed for the rank's coordinate by DTensor's own rule
-  (`compute_local_shape_and_global_offset`, uneven and strided shards included);
+  (`compute_local_shape_and_global_offset`, uneven and strided shards included), and the
+  gradient and optimizer-state bytes measured on the representative scaled to that shard;
 - a plain tensor is held whole, as on the representative;
 - a collective on a group that spans mesh axes A is the same call on the rank's own group
   along A (the group's ranks with the rank's coordinates on the other axes); a send goes to
