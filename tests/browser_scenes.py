@@ -136,26 +136,23 @@ apart = {"checksums": [7, 9], "max_abs_diff": 0.25,
          "identical": False}
 show_replicas({"averaged": [same, same, same], "not averaged": [same, apart, apart]})"""
 
-WORLD = """from labkit.parallel.llama_3d import build_stage, layer_params, step
-
-h, ffn = 32, 64
-vocab = layer_params(h, ffn) // h
+WORLD = """from labkit.parallel.llama_3d import build_stage, step
 
 
-def setup(mesh):  # a dp4 x tp2 x pp2 Llama-style job, one micro-batch
-    stage = build_stage(mesh, hidden=h, heads=4, ffn=ffn, vocab=vocab, num_layers=2)
-    step(stage, mesh, batch=1, seq=8, hidden=h, vocab=vocab)
+def setup(mesh):  # the embedding and the output of a 2-stage model (few rows: one picture)
+    stage = build_stage(mesh, hidden=32, heads=4, ffn=64, vocab=320, num_layers=0)
+    step(stage, mesh, batch=1, seq=8, hidden=32, vocab=320)
     return stage, torch.optim.Adam(stage.parameters())
 
 
-labkit.show_world(labkit.simulate((4, 2, 2), ("dp", "tp", "pp"), setup))"""
+labkit.show_world(labkit.simulate((8, 4, 2), ("dp", "tp", "pp"), setup))"""
 
 # (name, cells): the last cell's output is the view
 VIEWS = [
     ("timeline", ("labkit.show_timeline(lab)",)),
     ("breakdown", ("labkit.show_breakdown(lab)",)),
-    ("world", (WORLD,)),
     ("comm", ("labkit.show_comm(lab)",)),
+    ("world", (WORLD,)),
     (
         "tensors",
         (

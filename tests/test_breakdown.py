@@ -118,6 +118,29 @@ def test_waiting_in_async_ops_in_flight_together_counts_once() -> None:
     assert b.straggler.rank == 1 and b.straggler.waited == pytest.approx(0.15)
 
 
+def test_subgroups_with_the_same_sequence_numbers_are_matched_apart() -> None:
+    # a 2 x 2 mesh: tp groups (0, 1), (2, 3) then dp groups (0, 2), (1, 3), each its call #1
+    recs = [
+        _ar(0, 1, 0.00, 0.05, (0, 1)),
+        _ar(1, 1, 0.03, 0.05, (0, 1)),  # rank 1 is 30 ms late into tp (0, 1)
+        _ar(2, 1, 0.00, 0.02, (2, 3)),
+        _ar(3, 1, 0.00, 0.02, (2, 3)),
+        _ar(0, 1, 0.10, 0.20, (0, 2)),
+        _ar(2, 1, 0.15, 0.20, (0, 2)),  # rank 2 is 50 ms late into dp (0, 2)
+        _ar(1, 1, 0.10, 0.12, (1, 3)),
+        _ar(3, 1, 0.10, 0.12, (1, 3)),
+    ]
+    b = breakdown(recs)
+    # rank 0 waited 30 ms for rank 1 and 50 ms for rank 2; no one else waited. Matching by
+    # sequence number alone would put all eight calls in one collective, rank 2 last at 0.15
+    assert [b.row(r).waiting for r in range(4)] == pytest.approx([0.08, 0.0, 0.0, 0.0])
+    s = b.straggler
+    assert s.rank == 2 and s.waited == pytest.approx(0.05)
+    assert s.by_rank == pytest.approx({0: 0.05, 3: 0.0})  # the ranks it shares a group with
+    assert (s.last, s.matched) == (2, 4)  # dp (0, 2), and tp (2, 3) on a tie (lower rank)
+    assert b.incomplete == []
+
+
 def test_ranks_without_records_are_all_idle_and_named_missing() -> None:
     g = (0, 1, 2)
     recs = [_ar(0, 1, 0.0, 0.5, g), _ar(1, 1, 0.2, 0.5, g)]  # rank 2 never came
@@ -137,10 +160,15 @@ def test_device_time_is_the_communication_on_cuda() -> None:
         # the host call returns at once (NCCL enqueues it); the device ran it for 0.3 s
         _ar(0, 1, 0.5, 0.501, (0,), device_time=0.3),
         _ar(0, 2, 1.0, 1.2, (0,)),  # no events (a CPU tensor): host time
+        # an async op's events: its issue to its wait() on the current stream, 0.2 s
+        _ar(0, 3, 1.3, 1.301, (0,), async_op=True, device_time=0.2),
+        SpanRecord(rank=0, name="bwd", start=1.3, end=1.4),
     ]
     b = breakdown(recs)
-    # device 0.5-0.8, under the span; host 1.0-1.2 exposed
-    assert _row(b, 0) == pytest.approx((1.0, 0.5, 0.3, 0.2, 0.0, 0.0))
+    # blocking, device 0.5-0.8: the stream orders it between the span's kernels, so it hides
+    # nothing (compute 1.0 - 0.3 + 0.1); host 1.0-1.2 exposed; the async op 1.3-1.5 hides 0.1
+    # of its 0.2; idle 1.2-1.3; window 0-1.5
+    assert _row(b, 0) == pytest.approx((0.8, 0.7, 0.1, 0.6, 0.0, 0.1))
     assert b.row(0).source == "host+device" and "CUDA events where" in b.text
 
 

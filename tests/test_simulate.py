@@ -74,11 +74,15 @@ def test_a_simulated_world_agrees_with_a_real_4_rank_gloo_lab() -> None:
 
 
 def _small_llama(mesh):
+    warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
     stage = build_stage(mesh, hidden=64, heads=4, ffn=128, vocab=640, num_layers=2)
-    return stage, torch.optim.Adam(stage.parameters())
+    step(stage, mesh, batch=1, seq=8, hidden=64, vocab=640)
+    adam = torch.optim.Adam(stage.parameters())
+    adam.step()  # the gradients and Adam's state exist: measured on the ranks that ran
+    return stage, adam
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_256_rank_world_holds_what_notebook_42s_formula_says() -> None:
     dp, tp, pp = 16, 4, 4
     world = simulate((dp, tp, pp), NAMES, _small_llama)
@@ -99,6 +103,11 @@ def test_a_256_rank_world_holds_what_notebook_42s_formula_says() -> None:
         ), rank
     from labkit.views.placement_data import memory_by_rank, merge_placement
 
+    for rank in world.ran:  # what torch allocated there, not memory()'s prediction from params
+        params = [x for x in world.placement([rank]) if x["kind"] == "param"]
+        assert sum(x["grad_bytes"] for x in params) == want.grads
+        # Adam's two moments, and its step counter: a 4-byte scalar per tensor
+        assert sum(x["optim_bytes"] for x in params) == want.optimizer + 4 * len(params)
     some = world.placement(range(0, 256, 17))
     for rank, m in memory_by_rank(merge_placement(some)).items():
         assert m["predicted"] == memory[rank]["total"]
@@ -162,3 +171,41 @@ def test_simulate_says_what_this_torch_lacks() -> None:
         simulate((2, 2), ("dp",), _llama)
     with pytest.raises(ValueError, match="vary must name axes"):
         simulate((2, 2), ("dp", "tp"), _llama, vary=("pp",))
+
+
+def _uneven(mesh):
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, parallelize_module
+
+    model = torch.nn.Sequential(torch.nn.Linear(6, 10), torch.nn.Linear(10, 7))
+    plan = {"0": ColwiseParallel(output_layouts=Replicate())}  # 10 rows over tp 4: 3, 3, 3, 1
+    parallelize_module(model, mesh["tp"], plan)
+    fully_shard(model, mesh=mesh["dp"])  # then dp 3: strided, some empty; 7 rows: 3, 3, 1
+    model(torch.randn(2, 6)).sum().backward()
+    adam = torch.optim.Adam(model.parameters())
+    adam.step()
+    return model, adam
+
+
+@pytest.mark.timeout(120)
+def test_uneven_and_strided_shards_derived_as_each_rank_holds_them() -> None:
+    """Derived from one representative vs every one of the 12 ranks run (fake process group)."""
+    derived = simulate((3, 4), ("dp", "tp"), _uneven)
+    every = simulate((3, 4), ("dp", "tp"), _uneven, every_rank=True)
+    assert derived.ran == [0] and len(every.ran) == 12
+    assert _shards(derived.placement()) == _shards(every.placement())
+
+    # the gradients and Adam's state torch allocated, scaled to each derived rank's shard
+    def states(world):
+        return sorted((x["rank"], x["qualname"], x["grad_bytes"], x["optim_bytes"])
+                      for x in world.placement())  # fmt: skip
+
+    assert states(derived) == states(every)
+    assert derived.memory() == every.memory()
+    assert _calls(derived.traffic()) == _calls(every.traffic())
+    # 10 rows by tp: 3, 3, 3, 1; each by dp: 1 row or none (torch.chunk's sizes)
+    rows = {r: x["local_shape"] for x in every.placement() if x["qualname"] == "0.weight"
+            for r in [x["rank"]]}  # fmt: skip
+    assert sorted({shape[0] for shape in rows.values()}) == [0, 1]
+    assert sum(shape[0] for shape in rows.values()) == 10

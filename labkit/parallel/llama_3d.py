@@ -3,10 +3,15 @@
 Runs on the ranks, or on one process playing them (`labkit.simulate`). Bias-free, as Llama:
 each layer is attention (q, k, v, o: 4h^2; as many key/value heads as query heads) and a SwiGLU
 MLP (w1, w3: h -> f, w2: f -> h: 3hf), with RMSNorms *without* a learnable scale (a scale
-would be h numbers held whole by every TP rank, which `Psi / tp` does not count). The model is
-`num_units` equal units, the embedding, `num_layers` layers and the output projection, when
-`vocab * hidden` equals a layer's parameters: then every pipeline stage holds the same
-number of parameters, as `labkit.parallel.config_memory` assumes (`Psi / (tp pp)` per rank).
+would be h numbers held whole by every TP rank, which `Psi / tp` does not count). It also
+leaves out the rotary position embedding on q and k (RoPE, which has no parameters) and the
+final RMSNorm before the output projection, and uses full multi-head attention where Llama 2
+70B and Llama 3 use grouped-query attention (fewer k, v heads: smaller k and v weights).
+
+The model is `num_units` equal units, the embedding, `num_layers` layers and the output
+projection, when `vocab * hidden` equals a layer's parameters: then every pipeline stage holds
+the same number of parameters, as `labkit.parallel.config_memory` assumes (`Psi / (tp pp)`
+per rank).
 
 `build_stage(mesh, ...)` builds the units of this rank's stage (by its "pp" coordinate),
 applies TP on mesh["tp"] (q, k, v, w1, w3 and the output by columns; o and w2 by rows; the

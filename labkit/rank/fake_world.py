@@ -13,7 +13,8 @@ runs once per *representative*, the rank at coordinate 0 on every axis but the `
 (default: one named "pp", whose stages build different layers); the others are derived:
 
 - a DTensor's local shard is computed for the rank's coordinate by DTensor's own rule
-  (`compute_local_shape_and_global_offset`, uneven and strided shards included);
+  (`compute_local_shape_and_global_offset`, uneven and strided shards included), and the
+  gradient and optimizer-state bytes measured on the representative scaled to that shard;
 - a plain tensor is held whole, as on the representative;
 - a collective on a group that spans mesh axes A is the same call on the rank's own group
   along A (the group's ranks with the rank's coordinates on the other axes); a send goes to
@@ -168,6 +169,7 @@ class SimulatedWorld:
                 local, offset = self._cache[key]
                 numel = math.prod(local)
                 dims_sharded = sorted({s[0] for s in row["shard"]})
+                row.update(_states_for(row, numel * size))
                 row.update(
                     local_shape=tuple(local),
                     numel=numel,
@@ -223,6 +225,24 @@ class SimulatedWorld:
             m["total"] = sum(m.values())
             out[r] = m
         return out
+
+
+def _states_for(row: dict[str, Any], nbytes: int) -> dict[str, int]:
+    """The representative's measured gradient and optimizer-state bytes for a shard of
+    `nbytes` instead of its own (uneven shards differ): a gradient sharded as its parameter,
+    `optim_slots` parameter-sized state tensors, and what is not parameter-sized (Adam's step
+    counter) as it is."""
+    mine = row.get("bytes", 0)
+    if not mine:
+        return {}
+    out = {}
+    grad = row.get("grad_bytes", 0)
+    if grad == mine:
+        out["grad_bytes"] = nbytes
+    state, slots = row.get("optim_bytes", 0), row.get("optim_slots") or 0
+    if state >= slots * mine > 0:
+        out["optim_bytes"] = state - slots * (mine - nbytes)
+    return out
 
 
 def _flatten(nested: Any) -> list[int]:
@@ -385,7 +405,7 @@ def simulate(
 def _check_derived(sim: SimulatedWorld, run: _Run) -> None:
     """`run` (a rank that really ran) against what its representative says it holds and calls."""
     rep = sim.representative(run.rank)
-    keys = ("qualname", "local_shape", "bytes", "shard")
+    keys = ("qualname", "local_shape", "bytes", "shard", "grad_bytes", "optim_bytes")
     got = [tuple(r[k] for k in keys) for r in run.rows]
     derived = [tuple(r[k] for k in keys) for r in sim._derive_rows(run.rank)]
     calls = [(r.op, r.group, r.peer, r.bytes) for r in run.records]

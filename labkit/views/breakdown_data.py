@@ -10,17 +10,26 @@ profiler traces, and names the straggler:
   (`async_op=True`, `isend`, `irecv`) counts from its issue to its `wait()`: while it is in
   flight and the rank computes, that time is *overlapped* (hidden under compute); the rest is
   *exposed*. A blocking call can hide nothing (the rank's thread is inside it), even when a span
-  encloses it. On CUDA a call that carries `device_time` (CUDA events) counts as that long from
-  its host issue, and may overlap the rank's spans, since the device runs it beside the host;
+  encloses it. An async op counts until its `wait()` even if it finished earlier: overlapped is
+  the time the rank computed with an op in flight, not the time the wire was busy. On CUDA a
+  call that carries `device_time` (CUDA events on the current stream) counts as that long from
+  its host issue. NCCL returns to the host once a call is queued, even a blocking one, but the
+  stream orders a blocking call between the kernels queued before and after it, so it still
+  hides nothing; an async op's device time runs from its issue to its `wait()` on the current
+  stream. Spans are host time (they time the kernels only if they end with a synchronize), and
+  the device intervals are placed from the host's issue: overlap of compute and communication
+  kernels themselves is in the device's own trace (torch.profiler, HTA);
 - waiting: the part of the exposed communication spent in a collective before its last rank
-  entered it (collectives matched across ranks by group and sequence number);
+  entered it (collectives matched across ranks by group and sequence number), by the hosts'
+  entries: on GPU ranks the host runs ahead of the device, so it names a late host;
 - idle: the rest of the window (outside every span and call);
 - the straggler: the rank the others waited for the longest, summed over the cell's
   collectives, with how long each of them waited for it.
 
     compute - overlapped + overlapped + exposed + idle = window, on every rank
 
-and `timeline_summary`'s compute is `compute - overlapped`, its comm `overlapped + exposed`.
+and, on host records (no `device_time`: the timeline's table counts host time),
+`timeline_summary`'s compute is `compute - overlapped`, its comm `overlapped + exposed`.
 """
 
 from __future__ import annotations
@@ -66,14 +75,12 @@ def timeline_summary(records: list[Record]) -> dict[int, dict[str, float]]:
 
 
 def can_overlap(r: CommRecord) -> bool:
-    """True for a call that can run beside the rank's compute: an async op (issue to wait), a
-    collective torch issued from C++ (DDP's buckets), or one timed on the device."""
-    return (
-        r.async_op
-        or r.op in ("isend", "irecv")
-        or r.recorded_by == "flight_recorder"
-        or r.device_time is not None
-    )
+    """True for a call that can run beside the rank's compute: an async op (issue to wait) or
+    a collective torch issued from C++ (DDP's buckets). A blocking call cannot, on CUDA too:
+    its host call returns once NCCL has queued it, but NCCL's stream waits for the kernels
+    queued before it on the current stream and the current stream waits for it (`wait()`),
+    so the kernels before and after it do not overlap it."""
+    return r.async_op or r.op in ("isend", "irecv") or r.recorded_by == "flight_recorder"
 
 
 def comm_interval(r: CommRecord) -> Interval:
