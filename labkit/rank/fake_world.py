@@ -42,6 +42,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from labkit.rank import torch_compat
+from labkit.rank.fake_rank import Run, install_tracer, run_one
 from labkit.wire.records import P2P_OPS, CommRecord
 
 __all__ = ["SimulatedWorld", "simulate"]
@@ -58,16 +59,6 @@ def _require() -> Any:
 
 
 @dataclass
-class _Run:
-    """What one representative rank held and called."""
-
-    rank: int
-    rows: list[dict[str, Any]]
-    specs: list[Any]  # per row: (shape, placements, submesh ranks, its dims, element size)
-    records: list[CommRecord]
-
-
-@dataclass
 class SimulatedWorld:
     """A simulated world: `shape`, `names` (mesh axes), the representatives that ran
     (`ran`), `seconds` of wall time; `placement()`, `traffic()` and `memory()` for views."""
@@ -75,7 +66,7 @@ class SimulatedWorld:
     shape: tuple[int, ...]
     names: tuple[str, ...]
     vary: tuple[str, ...]
-    runs: dict[int, _Run]
+    runs: dict[int, Run]
     seconds: float
     _rows: dict[int, list[dict[str, Any]]] = field(default_factory=dict, repr=False)
     _records: dict[int, list[CommRecord]] = field(default_factory=dict, repr=False)
@@ -245,20 +236,6 @@ def _states_for(row: dict[str, Any], nbytes: int) -> dict[str, int]:
     return out
 
 
-def _flatten(nested: Any) -> list[int]:
-    if isinstance(nested, list):
-        return [q for item in nested for q in _flatten(item)]
-    return [int(nested)]
-
-
-def _dims(nested: Any) -> list[int]:
-    dims = []
-    while isinstance(nested, list):
-        dims.append(len(nested))
-        nested = nested[0] if nested else None
-    return dims
-
-
 def _unravel(index: int, dims: list[int]) -> tuple[int, ...]:
     out = []
     for size in reversed(dims):
@@ -272,70 +249,6 @@ def _regroup(flat: list[int], dims: list[int]) -> Any:
         return list(flat)
     step = len(flat) // dims[0]
     return [_regroup(flat[i * step : (i + 1) * step], dims[1:]) for i in range(dims[0])]
-
-
-def _spec(param: Any) -> Any:
-    mesh = getattr(param, "device_mesh", None)
-    if mesh is None:
-        return None
-    sub = mesh.mesh.tolist()
-    return (tuple(param.shape), tuple(param.placements), tuple(_flatten(sub)), _dims(sub),
-            param.element_size())  # fmt: skip
-
-
-def _install_tracer() -> None:
-    """labkit's tracer, and its wrappers bound in torch's modules that imported a function
-    by value before it was installed (`_collective_utils`' `scatter`, DTensor's scatter of
-    the shards from the group's first rank): a lab's rank installs it before any such import,
-    a notebook's kernel may have imported them already."""
-    import sys
-
-    import torch.distributed as dist
-
-    from labkit.rank import dist_tracing, trace
-
-    trace.install()
-    for op in dist_tracing.OPS:
-        traced = getattr(dist, op, None)
-        original = getattr(traced, "__labkit_traced__", None)
-        if original is None:
-            continue
-        for name, module in list(sys.modules.items()):
-            if name.startswith("torch.distributed") and getattr(module, op, None) is original:
-                setattr(module, op, traced)
-
-
-def _run_one(
-    rank: int, shape: tuple[int, ...], names: tuple[str, ...], setup: Callable, parts: Any
-) -> _Run:
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from labkit.rank import placement_probe, trace
-    from labkit.rank.trace_state import STATE
-
-    world = math.prod(shape)
-    dist.init_process_group("fake", rank=rank, world_size=world, store=parts["store"]())
-    cell = -1 - rank  # cells of its own, dropped below: a lab's trace is never touched
-    try:
-        STATE.seq.clear()
-        STATE.p2p.clear()
-        trace.begin_cell(cell, rank)
-        mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
-        built = setup(mesh)
-        model, optimizer = built if isinstance(built, tuple) else (built, None)
-        records = [r for r in trace.records(cell) if isinstance(r, CommRecord)]
-        rows = placement_probe.describe_model(model, optimizer=optimizer, rank=rank)
-        by_name = dict(model.named_parameters()) | dict(model.named_buffers())
-        specs = [_spec(by_name[r["qualname"]]) for r in rows]
-        return _Run(rank, rows, specs, records)
-    finally:
-        STATE.records.pop(cell, None)
-        if cell in STATE.order:
-            STATE.order.remove(cell)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-        parts["clear_caches"]()
 
 
 def simulate(
@@ -381,7 +294,7 @@ def simulate(
         )
     from labkit.rank.trace_state import STATE
 
-    _install_tracer()
+    install_tracer()
     saved = (STATE.cell, STATE.rank, dict(STATE.seq), dict(STATE.p2p))
     start = time.perf_counter()
     sim = SimulatedWorld(shape, names, vary, {}, 0.0)
@@ -391,10 +304,10 @@ def simulate(
         ranks = sorted({sim.representative(r) for r in range(sim.world_size)})
     try:
         for r in ranks:
-            sim.runs[r] = _run_one(r, shape, names, setup, parts)
+            sim.runs[r] = run_one(r, shape, names, setup, parts)
         last = sim.world_size - 1
         if last not in sim.runs:  # the derivation checked on the rank farthest from its own
-            _check_derived(sim, _run_one(last, shape, names, setup, parts))
+            _check_derived(sim, run_one(last, shape, names, setup, parts))
     finally:
         STATE.cell, STATE.rank = saved[0], saved[1]
         STATE.seq, STATE.p2p = saved[2], saved[3]
@@ -402,7 +315,7 @@ def simulate(
     return sim
 
 
-def _check_derived(sim: SimulatedWorld, run: _Run) -> None:
+def _check_derived(sim: SimulatedWorld, run: Run) -> None:
     """`run` (a rank that really ran) against what its representative says it holds and calls."""
     rep = sim.representative(run.rank)
     keys = ("qualname", "local_shape", "bytes", "shard", "grad_bytes", "optim_bytes")
