@@ -4,6 +4,7 @@ that reports a stuck cell instead of repairing it, and the note a user reads aft
 from __future__ import annotations
 
 import shlex
+import signal
 import threading
 import types
 
@@ -285,3 +286,21 @@ def test_forking_waits_as_long_as_the_start_and_says_how_many_ranks_came() -> No
     assert ForkServer.wait_pids(server, 7, [0, 1], timeout=10.0) == {0: 1000, 1: 1001}
     with pytest.raises(RuntimeError, match=r"forked 2 of 3 ranks \(not all in 0 s\).*fs\.log"):
         ForkServer.wait_pids(server, 7, [0, 1, 2], timeout=0.2)
+
+
+@pytest.mark.timeout(30)
+def test_a_rank_reported_after_its_start_was_abandoned_is_killed() -> None:
+    """A Stop during start-up kills the ranks reported so far; on a busy machine the server
+    may fork one after that (its report came later than the 2 s waited for): it is killed as
+    soon as it is reported, not left running until the lab stops."""
+    from labkit.kernel.launch.spawn import ForkServer
+
+    sent: list[tuple[list[int], int]] = []
+    server = types.SimpleNamespace(
+        cond=threading.Condition(), spawned={}, exited={}, ended_gens={7}, on_exit=None,
+        signal=lambda pids, sig: sent.append((pids, sig)),
+    )  # fmt: skip
+    ForkServer._handle(server, {"type": "spawned", "gen": 8, "rank": 0, "pid": 2000})
+    assert sent == []  # a rank of a live generation
+    ForkServer._handle(server, {"type": "spawned", "gen": 7, "rank": 1, "pid": 1001})
+    assert sent == [([1001], signal.SIGKILL)] and server.spawned[(7, 1)] == 1001

@@ -125,6 +125,7 @@ class ForkedRanks(RankLauncher):
         if server is not None:  # also ranks forked before an interrupted start-up
             with server.cond:
                 gen = self.channel.gen
+                server.ended_gens.add(gen)  # and any reported after this (ForkServer._handle)
                 pids += [p for (g, _), p in server.spawned.items() if g == gen]
             pids = sorted(set(pids))
         self.pids = {}

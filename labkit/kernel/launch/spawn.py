@@ -49,6 +49,9 @@ class ForkServer:
         self.facts: ServerHello | None = None
         self.warm = False  # its warm-up imports (labkit.rank.fork_server.warm_up) are done
         self.spawned: dict[tuple[int, int], int] = {}  # (gen, rank) -> pid
+        # generations ended while starting (Stop, an error): a rank of one reported later
+        # (forked after the kill was decided, on a busy machine) is killed when it is reported
+        self.ended_gens: set[int] = set()
         self.exited: dict[int, int] = {}  # pid -> exit code (negative: signal)
         self.on_exit: Callable[[int, int | None, int], None] | None = None
         self.cond = threading.Condition()
@@ -70,6 +73,8 @@ class ForkServer:
                 self.facts = msg
             elif msg["type"] == "spawned":
                 self.spawned[(msg["gen"], msg["rank"])] = msg["pid"]
+                if msg["gen"] in self.ended_gens:
+                    self.signal([msg["pid"]], signal.SIGKILL)
             elif msg["type"] == "exited":
                 self.exited[msg["pid"]] = msg["code"]
             elif msg["type"] == "warm":
