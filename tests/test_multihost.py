@@ -50,6 +50,7 @@ from test_security import LOOPBACK, _listening
 
 import labkit
 from labkit import LabError, LabkitWarning
+from labkit.wire import sock_dir
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -331,6 +332,7 @@ def test_every_rank_on_every_host_exits_when_the_kernel_dies(hosts):
         while not line.startswith("CMD "):
             line = kernel.stdout.readline()
             assert line, "the kernel ended early"
+        command = shlex.split(line[4:].strip())
         procs = [hosts.start(line[4:].strip(), i) for i in range(NODES)]
         while "spinning" not in line:
             line = kernel.stdout.readline()
@@ -338,6 +340,11 @@ def test_every_rank_on_every_host_exits_when_the_kernel_dies(hosts):
         kernel.kill()
         kernel.wait()
         assert None not in wait_all(procs, 60), "ranks outlived the kernel"
+        # its private directory (the key file): ranks not on the kernel's host leave it; the
+        # next lab started here removes it (sock_dir.sweep, when a channel makes its own)
+        key_dir = os.path.dirname(command[command.index("--key-file") + 1])
+        sock_dir.sweep()
+        assert not os.path.exists(key_dir), "the killed kernel's directory was left"
     finally:
         if kernel.poll() is None:
             kernel.kill()

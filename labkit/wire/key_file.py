@@ -8,14 +8,15 @@ A kernel removes the key (its default file, in its private `labkit-*` socket dir
 its lab stops; when the kernel was killed instead, the attached ranks on its host find it gone
 and remove that file and directory (`remove_orphaned_key`), so a dead notebook leaves nothing.
 
-Imports only the standard library.
+Imports only the standard library and labkit.wire.sock_dir.
 """
 
 from __future__ import annotations
 
 import os
 import socket
-import time
+
+from labkit.wire.sock_dir import OWNER, kernel_alive
 
 
 def write_key_file(path: str, key: bytes) -> str:
@@ -50,43 +51,23 @@ KEY_NAME = "lab.key"  # the kernel's default key file, in its private socket dir
 def remove_orphaned_key(path: str, host: str, pid: int) -> bool:
     """Remove the key file a dead kernel made for itself, and its directory (rank, attached).
 
-    Only the kernel's own default file (`labkit-*/lab.key`, alone in its directory), only on the
+    Only the kernel's own default file (`labkit-*/lab.key`, alone there but for the kernel's
+    `labkit.wire.sock_dir.OWNER` note), only on the
     kernel's host, and only once its pid is gone: a key file the user chose is theirs to keep,
     and a kernel still alive (Stop ended the torchrun job; the same command attaches again)
     still needs its key. Returns whether it removed anything; never raises."""
     folder = os.path.dirname(path)
     if os.path.basename(path) != KEY_NAME or not os.path.basename(folder).startswith("labkit-"):
         return False
-    if host != socket.gethostname() or _alive(pid):
+    if host != socket.gethostname() or kernel_alive(pid):
         return False
     try:
-        if os.listdir(folder) != [KEY_NAME]:
+        if not set(os.listdir(folder)) <= {KEY_NAME, OWNER}:
             return False
         os.unlink(path)
+        for name in os.listdir(folder):
+            os.unlink(os.path.join(folder, name))
         os.rmdir(folder)
     except OSError:  # another rank of the node removed it first
         return False
     return True
-
-
-def _alive(pid: int, wait: float = 1.0) -> bool:
-    """Whether `pid` runs; a killed kernel's parent (Jupyter) may take a moment to reap it, so
-    a zombie is waited for up to `wait` seconds and then counted as dead."""
-    deadline = time.monotonic() + wait
-    while True:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        except PermissionError:  # a process of another user has that pid now
-            return True
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                zombie = f.read().rsplit(")", 1)[1].split()[0] == "Z"
-        except OSError:  # no /proc (macOS): a pid that answers is alive
-            return True
-        if not zombie:
-            return True
-        if time.monotonic() >= deadline:
-            return False
-        time.sleep(0.05)

@@ -31,7 +31,6 @@ import itertools
 import os
 import shutil
 import signal
-import tempfile
 import threading
 import time
 import warnings
@@ -49,7 +48,7 @@ from labkit.kernel.channel.side_io import SideIO
 from labkit.kernel.channel.sigint import uninterrupted
 from labkit.kernel.inspection.logs import read_tail
 from labkit.kernel.results import LabError, LabkitWarning
-from labkit.wire import framed, shm
+from labkit.wire import framed, shm, sock_dir
 from labkit.wire.codec import AuthenticationError, Codec
 from labkit.wire.messages import Done, KernelToRank
 from labkit.wire.stop_board import StopBoard
@@ -73,7 +72,7 @@ class Channel(Admission, SideIO):
         self.log_dir = log_dir
         self.listen = listen  # (host, port): ranks connect over TCP (started by torchrun)
         self.ctx = zmq.Context()
-        self.sock_dir = tempfile.mkdtemp(prefix="labkit-")  # 0700: only this user gets in
+        self.sock_dir = sock_dir.new()  # 0700: only this user gets in (labkit.wire.sock_dir)
         self.shm_dir = shm.new_dir() if listen is None else None  # large tensors, same machine
         codec.shm_dir = self.shm_dir
         codec.shared = shm.Shared() if self.shm_dir else None  # pushed segments, reused
