@@ -14,11 +14,13 @@ from torch import nn
 from labkit.parallel.layer_split import split_sequential
 from labkit.parallel.pipeline_parallel import (
     SCHEDULES,
+    StageEvent,
     bubble_fraction,
     bubble_overhead,
     make_schedule,
     measured_bubble_fraction,
     pipeline_step,
+    replayed_bubble_fraction,
     stage_order,
     torch_pipeline_step,
 )
@@ -186,3 +188,36 @@ def test_pipeline_records_events_and_memory(four_ranks: list[dict], schedule: st
 def test_pipeline_rejects_bad_microbatch_count(four_ranks: list[dict]) -> None:
     for res in four_ranks:
         assert "multiple of num_microbatches=3" in res["error"]
+
+
+def _events(rows: list[tuple[int, str, int, float, float]]) -> list[StageEvent]:
+    return [StageEvent(s, s, k, j, a, b) for s, k, j, a, b in rows]
+
+
+@pytest.mark.timeout(30)
+def test_replayed_bubble_matches_a_case_worked_by_hand() -> None:
+    """p = 2, m = 2, 1F1B, stage 0 twice as slow as stage 1 (F and B 2 s on stage 0, 1 s on
+    stage 1). By hand: S0 F0 [0,2] F1 [2,4]; S1 F0 [2,3] B0 [3,4] F1 [4,5] B1 [5,6];
+    S0 B0 [4,6] B1 [6,8]: span 8, busy 12, bubble 1 - 12/16 = 0.25, below (p-1)/(m+p-1) = 1/3.
+    The same ops each 0.5 s later than their inputs allow: the durations, so the replay, are
+    the same; the measured bubble is larger."""
+    tight = [
+        (0, "F", 0, 0, 2), (0, "F", 1, 2, 4), (0, "B", 0, 4, 6), (0, "B", 1, 6, 8),
+        (1, "F", 0, 2, 3), (1, "B", 0, 3, 4), (1, "F", 1, 4, 5), (1, "B", 1, 5, 6),
+    ]  # fmt: skip
+    assert replayed_bubble_fraction(_events(tight)) == pytest.approx(0.25)
+    assert measured_bubble_fraction(_events(tight)) == pytest.approx(0.25)
+    late = [
+        (0, "F", 0, 0, 2), (0, "F", 1, 2, 4), (0, "B", 0, 5.5, 7.5), (0, "B", 1, 9, 11),
+        (1, "F", 0, 2.5, 3.5), (1, "B", 0, 3.5, 4.5), (1, "F", 1, 4.5, 5.5), (1, "B", 1, 7, 8),
+    ]  # fmt: skip
+    assert replayed_bubble_fraction(_events(late)) == pytest.approx(0.25)
+    assert measured_bubble_fraction(_events(late)) == pytest.approx(1 - 12 / 22)
+    # equal unit durations give the formula, for both schedules
+    for p, m in [(2, 1), (2, 4), (4, 4), (3, 8)]:
+        for schedule in SCHEDULES:
+            steps = make_schedule(p, m, schedule)
+            ideal = _events([(s, k, j, t, t + 1) for t, s, k, j in steps])
+            assert replayed_bubble_fraction(ideal) == pytest.approx(bubble_fraction(p, m))
+    with pytest.raises(ValueError, match="input never arrives"):
+        replayed_bubble_fraction(_events([(1, "F", 0, 0, 1)] + [(0, "B", 0, 1, 2)]))

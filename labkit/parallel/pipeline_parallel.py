@@ -43,6 +43,7 @@ __all__ = [
     "make_schedule",
     "measured_bubble_fraction",
     "pipeline_step",
+    "replayed_bubble_fraction",
     "stage_order",
     "torch_pipeline_step",
 ]
@@ -182,6 +183,45 @@ def measured_bubble_fraction(events: list[StageEvent]) -> float:
         raise ValueError("events must be non-empty")
     span = max(e.end for e in events) - min(e.start for e in events)
     num_stages = len({e.stage for e in events})
+    busy = sum(e.duration for e in events)
+    return 1.0 - busy / (num_stages * span) if span > 0 else 0.0
+
+
+def replayed_bubble_fraction(events: list[StageEvent]) -> float:
+    """The bubble the step would have had if messages were free and instant.
+
+    Replays each stage's ops in the order they ran, with the durations they really took: an
+    op starts when the stage's previous op and its input are done (F(s, j) after F(s-1, j),
+    B(s, j) after B(s+1, j)), never earlier. The wall clock cannot beat this, so the measured
+    bubble is at least this one; the difference is time lost to messages and waking ranks. With
+    equal durations it is (p-1)/(m+p-1); with a slower stage (a sleep that overshot on a busy
+    machine) it moves either way, which is why the formula assumes balanced stages.
+    """
+    if not events:
+        raise ValueError("events must be non-empty")
+    num_stages = len({e.stage for e in events})
+    by_stage: dict[int, list[StageEvent]] = {}
+    for e in sorted(events, key=lambda e: e.start):
+        by_stage.setdefault(e.stage, []).append(e)
+    done: dict[tuple[int, str, int], float] = {}
+    nxt = dict.fromkeys(by_stage, 0)
+    free = dict.fromkeys(by_stage, 0.0)
+    while any(nxt[s] < len(ops) for s, ops in by_stage.items()):
+        moved = False
+        for s, ops in by_stage.items():
+            while nxt[s] < len(ops):
+                e = ops[nxt[s]]
+                src = s - 1 if e.kind == "F" else s + 1
+                need = (src, e.kind, e.microbatch)
+                if 0 <= src < num_stages and need not in done:
+                    break
+                start = max(free[s], done.get(need, 0.0))
+                done[s, e.kind, e.microbatch] = free[s] = start + e.duration
+                nxt[s] += 1
+                moved = True
+        if not moved:
+            raise ValueError("events do not form a pipeline schedule (an input never arrives)")
+    span = max(free.values())
     busy = sum(e.duration for e in events)
     return 1.0 - busy / (num_stages * span) if span > 0 else 0.0
 
