@@ -4,11 +4,16 @@ gradient equals one process on every rank's tokens, the mean of per-rank means d
 
 from __future__ import annotations
 
+import sys
+
+import cloudpickle
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from distributed import run_ranks
 
+from labkit.exercises import data_side_checks
 from labkit.parallel.data_side import (
     IGNORE,
     make_token_model,
@@ -19,6 +24,7 @@ from labkit.parallel.data_side import (
 )
 
 STEPS = 4
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this module
 
 
 def _tp_rank(rank: int, world_size: int) -> dict:
@@ -89,3 +95,128 @@ def test_token_batch_pads_with_ignore() -> None:
     assert targets.tolist() == [[2, 3], [5, IGNORE]]
     with pytest.raises(ValueError, match=r"rank must be in \[0, 4\)"):
         rank_sequences(4, 4)
+
+
+# ---------------------------------------------------------------- the exercise's checker
+
+
+def tw_reference(model, inputs, targets):
+    loss_sum = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+    n = (targets != -100).sum().float()
+    dist.all_reduce(n)
+    (loss_sum / n).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def tw_ddp_form(model, inputs, targets):  # W * S_r / N, then the gradients averaged
+    loss_sum = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+    n = (targets != -100).sum().float()
+    dist.all_reduce(n)
+    (dist.get_world_size() * loss_sum / n).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def tw_rescale_mean_async(model, inputs, targets):  # the local mean, rescaled by n_r / N
+    F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+    n = (targets != -100).sum().float()
+    total = n.clone()
+    dist.all_reduce(total, async_op=True).wait()
+    works = []
+    for p in model.parameters():
+        p.grad *= n / total
+        works.append(dist.all_reduce(p.grad, async_op=True))
+    for work in works:
+        work.wait()
+
+
+def tw_mean_of_means(model, inputs, targets):
+    F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+
+
+def tw_world_size_only(model, inputs, targets):
+    F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum").backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def tw_local_count(model, inputs, targets):  # the count's all_reduce forgotten
+    loss_sum = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+    (loss_sum / (targets != -100).sum()).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= dist.get_world_size()
+
+
+def tw_no_grad_reduce(model, inputs, targets):  # the gradients' all_reduce forgotten
+    loss_sum = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+    n = (targets != -100).sum().float()
+    dist.all_reduce(n)
+    (loss_sum / n).backward()
+
+
+def tw_padding_counted(model, inputs, targets):
+    loss_sum = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+    n = torch.tensor(float(targets.numel()), device=targets.device)
+    dist.all_reduce(n)
+    (loss_sum / n).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def tw_divided_twice(model, inputs, targets):
+    tw_reference(model, inputs, targets)
+    for p in model.parameters():
+        p.grad /= dist.get_world_size()
+
+
+def tw_ddp_form_summed(model, inputs, targets):
+    loss_sum = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+    n = (targets != -100).sum().float()
+    dist.all_reduce(n)
+    (dist.get_world_size() * loss_sum / n).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+
+
+def tw_no_wait(model, inputs, targets):
+    loss_sum = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+    n = (targets != -100).sum().float()
+    dist.all_reduce(n)
+    (loss_sum / n).backward()
+    for p in model.parameters():
+        dist.all_reduce(p.grad, async_op=True)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    "fn, ok, says",
+    [
+        (tw_reference, True, "mean over all ranks' tokens"),
+        (tw_ddp_form, True, "mean over all ranks' tokens"),
+        (tw_rescale_mean_async, True, "mean over all ranks' tokens"),
+        (tw_mean_of_means, False, "the mean of the per-rank means"),
+        (tw_world_size_only, False, "divided by the world size only"),
+        (tw_local_count, False, "the mean of the per-rank means"),
+        (tw_no_grad_reduce, False, "this rank's part only"),
+        (tw_padding_counted, False, "padding counted as tokens"),
+        (tw_divided_twice, False, "4 x too small"),
+        (tw_ddp_form_summed, False, "4 x too large"),
+        (tw_no_wait, False, "never waited for"),
+        (lambda model, inputs, targets: None, False, "has no gradient"),
+    ],
+)
+def test_check_token_weighted(lab, fn, ok: bool, says: str) -> None:
+    verdict = data_side_checks.check_token_weighted(lab, fn)
+    assert bool(verdict) is ok, verdict
+    assert says in verdict.message, verdict
+
+
+def test_the_solution_passes(lab) -> None:
+    namespace = {"F": F, "dist": dist, "torch": torch}
+    exec(data_side_checks.solution_token_weighted().code, namespace)
+    assert data_side_checks.check_token_weighted(lab, namespace["token_weighted"])
