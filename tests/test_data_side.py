@@ -159,6 +159,10 @@ def tw_no_grad_reduce(model, inputs, targets):  # the gradients' all_reduce forg
     (loss_sum / n).backward()
 
 
+def tw_local_mean_only(model, inputs, targets):  # the notebook's stub
+    F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
+
+
 def tw_padding_counted(model, inputs, targets):
     loss_sum = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
     n = torch.tensor(float(targets.numel()), device=targets.device)
@@ -207,6 +211,7 @@ def tw_no_wait(model, inputs, targets):
         (tw_divided_twice, False, "4 x too small"),
         (tw_ddp_form_summed, False, "4 x too large"),
         (tw_no_wait, False, "never waited for"),
+        (tw_local_mean_only, False, "still this rank's own mean"),
         (lambda model, inputs, targets: None, False, "has no gradient"),
     ],
 )

@@ -83,8 +83,13 @@ def _diagnose(got: list[torch.Tensor], seed: int, rank: int, world_size: int) ->
             "few tokens weighs more; divide each rank's token sum by the global count "
             "(all_reduce the counts first)"
         )
-    if close(means[rank]) or close(_grads(per_rank[rank], 1.0 / total, mean=False)):
-        return "it is this rank's part only: all_reduce the gradients (SUM)"
+    if close(means[rank]):
+        return (
+            "it is still this rank's own mean (nothing reduced): weigh the token sum by every "
+            "rank's token count, then all_reduce the gradients"
+        )
+    if close(_grads(per_rank[rank], 1.0 / total, mean=False)):
+        return "it is this rank's part only (S_r / N): all_reduce the gradients (SUM)"
     return "not a multiple of the whole batch's gradient, nor one of the classic mistakes"
 
 
