@@ -27,19 +27,26 @@ STEPS = 4
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this module
 
 
-def _tp_rank(rank: int, world_size: int) -> dict:
+def _rank(rank: int, world_size: int) -> dict:
+    """Both parts on one set of ranks (each start of 4 ranks costs seconds on a busy machine)."""
     from labkit.parallel.data_side import train_tp
 
     torch.set_num_threads(1)
-    return {
+    tp = {
         (init, drop): train_tp(STEPS, init=init, dropout=drop)
         for init, drop in (("same", "same"), ("same", "per_rank"), ("per_rank", "same"))
     }
+    return {"tp": tp, "tokens": _token_rank(rank, world_size)}
+
+
+@pytest.fixture(scope="module")
+def ranks() -> list[dict]:
+    return run_ranks(_rank, 4, timeout=100)
 
 
 @pytest.mark.timeout(120)
-def test_tp_dropout_seeds() -> None:
-    ranks = run_ranks(_tp_rank, 4)
+def test_tp_dropout_seeds(ranks) -> None:
+    ranks = [r["tp"] for r in ranks]
     ref = train_tp_reference(STEPS)
     good = [r[("same", "same")] for r in ranks]
     for out in good:
@@ -68,8 +75,8 @@ def _token_rank(rank: int, world_size: int) -> dict:
 
 
 @pytest.mark.timeout(120)
-def test_token_weighted_equals_one_process() -> None:
-    ranks = run_ranks(_token_rank, 4)
+def test_token_weighted_equals_one_process(ranks) -> None:
+    ranks = [r["tokens"] for r in ranks]
     seqs = [s for r in range(4) for s in rank_sequences(r, 4, 0)]
     inputs, targets = token_batch(seqs)
     counts = [int((token_batch(rank_sequences(r, 4, 0))[1] != IGNORE).sum()) for r in range(4)]
