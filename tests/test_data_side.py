@@ -138,6 +138,16 @@ def tw_rescale_mean_async(model, inputs, targets):  # the local mean, rescaled b
         work.wait()
 
 
+def tw_sum_then_divide(model, inputs, targets):  # Megatron's per-token loss: N after backward
+    loss_sum = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten(), reduction="sum")
+    loss_sum.backward()
+    n = (targets != -100).sum().float()
+    dist.all_reduce(n)
+    for p in model.parameters():
+        dist.all_reduce(p.grad)
+        p.grad /= n
+
+
 def tw_mean_of_means(model, inputs, targets):
     F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten()).backward()
     for p in model.parameters():
@@ -210,6 +220,7 @@ def tw_no_wait(model, inputs, targets):
         (tw_reference, True, "mean over all ranks' tokens"),
         (tw_ddp_form, True, "mean over all ranks' tokens"),
         (tw_rescale_mean_async, True, "mean over all ranks' tokens"),
+        (tw_sum_then_divide, True, "mean over all ranks' tokens"),
         (tw_mean_of_means, False, "the mean of the per-rank means"),
         (tw_world_size_only, False, "divided by the world size only"),
         (tw_local_count, False, "the mean of the per-rank means"),

@@ -9,7 +9,8 @@ tensor, and different when they hold different pieces of one:
   parameters (DP replicas; under TP the row-parallel bias and everything after the
   all_reduce), dropout on an activation that TP replicates (after a row-parallel layer);
 - different: augmentation and dropout on a data-parallel rank's own samples, dropout inside
-  the TP-sharded region (each rank's slice of the hidden features).
+  the TP-sharded region (each rank's slice of the hidden features, and with sequence
+  parallelism each rank's slice of the sequence after the reduce-scatter).
 
 `TPDropoutNet` is a Megatron MLP (fc1 column-split, fc2 row-split: one all_reduce) followed by
 dropout on its replicated output and a replicated head: the mask must be one mask on every
@@ -22,8 +23,10 @@ the mean over all N = sum_r n_r tokens:
 
 Each rank taking its own mean S_r / n_r and the ranks averaging those (what DDP does with a
 per-rank mean loss) gives (1/W) * sum_r S_r / n_r: a token on a rank with few tokens weighs
-more. The fix needs N on every rank before backward: all_reduce the count, backward on
-S_r / N, and SUM the gradients (with DDP, which divides by W, backward on W * S_r / N).
+more. The fix weighs every token by 1/N: all_reduce the count before backward, backward on
+S_r / N, and SUM the gradients (with DDP, which divides by W, backward on W * S_r / N); or
+backward on S_r, SUM the gradients and divide them by N after backward (Megatron-LM's
+per-token loss), which lets the count's all_reduce wait until backward is done.
 """
 
 from __future__ import annotations
