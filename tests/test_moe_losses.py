@@ -8,11 +8,20 @@ and plain DDP gives each expert the sum of two experts' gradients."""
 
 from __future__ import annotations
 
+import sys
+
+import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
 from distributed import run_ranks
 
+from labkit.exercises.moe_checks import (
+    aux_cases,
+    aux_mistakes,
+    check_global_aux_loss,
+    solution_global_aux_loss,
+)
 from labkit.parallel.expert_parallel import load_imbalance
 from labkit.parallel.moe_losses import (
     ExpertParallelSharedMoE,
@@ -27,6 +36,7 @@ from labkit.parallel.moe_losses import (
     z_loss,
 )
 
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the checker's ranks run its answers
 E, K = 4, 2
 TOKENS = [6, 10, 14, 18]  # per rank: uneven
 
@@ -190,3 +200,103 @@ def test_gradient_groups(how: str) -> None:
                 other = (e + half) % EXPERTS
                 want = [a + b for a, b in zip(ref[e], ref[other])]
             assert all(torch.allclose(a, b, atol=1e-5) for a, b in zip(grads, want)), (rank, e)
+
+
+# ---------------------------------------------------------------- the exercise's checker
+
+
+def aux_right(logits, k):
+    stats = torch.cat(
+        [
+            torch.bincount(logits.softmax(-1).topk(k).indices.flatten(), minlength=4).float(),
+            logits.softmax(-1).sum(0),
+            torch.tensor([float(len(logits))]),
+        ]
+    )
+    dist.all_reduce(stats)
+    f, p = stats[:4] / (stats[-1] * k), stats[4:8] / stats[-1]
+    return 4 * (f * p).sum()
+
+
+def aux_by_module(logits, k):  # labkit's shares, averaged over the ranks
+    from labkit.parallel.moe_losses import dp_aux_loss
+
+    share = dp_aux_loss(logits, k).detach()
+    dist.all_reduce(share)
+    return share / dist.get_world_size()
+
+
+def aux_per_rank_averaged(logits, k):
+    from labkit.parallel.moe_losses import aux_loss
+
+    loss = aux_loss(logits, k).detach()
+    dist.all_reduce(loss)
+    return loss / dist.get_world_size()
+
+
+def aux_soft_f(logits, k):
+    stats = torch.cat([logits.softmax(-1).sum(0), torch.tensor([float(len(logits))])])
+    dist.all_reduce(stats)
+    p = stats[:4] / stats[-1]
+    return 4 * (p * p).sum()
+
+
+def aux_no_num_experts(logits, k):
+    return aux_right(logits, k) / 4
+
+
+def aux_per_token(logits, k):
+    return aux_right(logits, k) * k
+
+
+def aux_rank_means(logits, k):  # P as the mean of the ranks' means
+    counts = torch.bincount(logits.softmax(-1).topk(k).indices.flatten(), minlength=4).float()
+    stats = torch.cat([counts, torch.tensor([float(len(logits))])])
+    dist.all_reduce(stats)
+    p = logits.softmax(-1).mean(0)
+    dist.all_reduce(p)
+    return 4 * (stats[:4] / (stats[-1] * k) * p / dist.get_world_size()).sum()
+
+
+def aux_this_rank(logits, k):
+    from labkit.parallel.moe_losses import aux_loss
+
+    return aux_loss(logits, k)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(
+    "fn, ok, says",
+    [
+        (aux_right, True, "the whole batch's loss on every rank"),
+        (aux_by_module, True, "the whole batch's loss on every rank"),
+        (aux_per_rank_averaged, False, "each rank computed the loss of its own tokens"),
+        (aux_soft_f, False, "f was the mean probability (soft)"),
+        (aux_no_num_experts, False, "the factor num_experts is missing"),
+        (aux_per_token, False, "k times the loss"),
+        (aux_rank_means, False, "case 2 (tokens per rank [6, 11, 16, 21]): P was the mean"),
+        (aux_this_rank, False, "every rank returned the loss of its own tokens"),
+        (lambda logits, k: "1.0", False, "returned '1.0', expected one number"),
+        (lambda logits: 1.0, False, "rank 0 raised TypeError"),
+    ],
+)
+def test_global_aux_loss_checker(lab, fn, ok: bool, says: str) -> None:
+    verdict = check_global_aux_loss(lab, fn)
+    assert bool(verdict) is ok, verdict
+    assert says in verdict.message, verdict
+
+
+def test_global_aux_loss_solution(lab) -> None:
+    ns = {"torch": torch, "dist": dist}
+    exec(solution_global_aux_loss().code, ns)
+    assert check_global_aux_loss(lab, ns["global_aux_loss"])
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_aux_cases_tell_every_mistake_apart(n: int) -> None:
+    answers = [aux_mistakes(case) for case in aux_cases(n)]
+    for name in answers[0]:
+        if name != "right":
+            assert any(
+                max(abs(a - b) for a, b in zip(m[name], m["right"])) > 1e-3 for m in answers
+            ), (n, name)
