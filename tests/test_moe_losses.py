@@ -36,6 +36,7 @@ from labkit.parallel.moe_losses import (
     z_loss,
 )
 
+pytestmark = pytest.mark.timeout(180)  # each test; those on ranks say less
 cloudpickle.register_pickle_by_value(sys.modules[__name__])  # the checker's ranks run its answers
 E, K = 4, 2
 TOKENS = [6, 10, 14, 18]  # per rank: uneven

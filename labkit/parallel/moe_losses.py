@@ -49,9 +49,11 @@ by all_to_all), so:
   divided by the same n (Megatron-core scales expert gradients by 1 / dp_size of the dense
   parameters for this reason; torchtitan sets FSDP's gradient divide factor of the experts
   to the dense one). Divided by the dp group's size instead, they are ep times too large.
-DDP around the whole model averages every parameter over all n ranks: expert j's gradient is
-averaged with the other ep groups' experts that sit in the same place (`reduce_gradients` does it
-right).
+DDP around the whole model treats every parameter as a replica: when built it broadcasts rank
+0's parameters (so the other ep ranks' experts are overwritten), and in backward it averages
+each expert's gradient with those of the different experts that sit in the same place on the
+other ep ranks: expert j gets the sum of its own gradient and theirs. `reduce_gradients` does
+it right.
 """
 
 from __future__ import annotations
