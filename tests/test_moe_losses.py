@@ -259,6 +259,19 @@ def aux_rank_means(logits, k):  # P as the mean of the ranks' means
     return 4 * (stats[:4] / (stats[-1] * k) * p / dist.get_world_size()).sum()
 
 
+def aux_first_choice(logits, k):  # GShard's top-2 gate: f from each token's first choice
+    p = logits.softmax(-1)
+    stats = torch.cat(
+        [
+            torch.bincount(p.argmax(-1), minlength=4).float(),
+            p.sum(0),
+            torch.tensor([float(len(logits))]),
+        ]
+    )
+    dist.all_reduce(stats)
+    return 4 * (stats[:4] / stats[-1] * stats[4:8] / stats[-1]).sum()
+
+
 def aux_this_rank(logits, k):
     from labkit.parallel.moe_losses import aux_loss
 
@@ -277,6 +290,7 @@ def aux_this_rank(logits, k):
         (aux_per_token, False, "k times the loss"),
         (aux_rank_means, False, "case 2 (tokens per rank [6, 11, 16, 21]): P was the mean"),
         (aux_this_rank, False, "every rank returned the loss of its own tokens"),
+        (aux_first_choice, False, "f counted only each token's first choice"),
         (lambda logits, k: "1.0", False, "returned '1.0', expected one number"),
         (lambda logits: 1.0, False, "rank 0 raised TypeError"),
     ],

@@ -108,7 +108,8 @@ _WHY = {
         "expert i, a count with no gradient; with soft f the loss is E * sum P_i^2"
     ),
     "top-1 f": (
-        "f counted only each token's first choice: with top-k every one of the k slots counts"
+        "f counted only each token's first choice (GShard's top-2 gate counts that way, another "
+        "loss): this exercise's f counts every one of the k slots, divided by T * k"
     ),
     "no num_experts": (
         "the factor num_experts is missing: E * sum_i f_i P_i is 1 at perfect balance"

@@ -9,14 +9,16 @@ normalises it the same way). T tokens, E experts, top-k routing, p_t = softmax(z
     L_aux = E * sum_i f_i * P_i
 Both f and P sum to 1. Perfect balance (f_i = 1/E) gives L_aux = E * sum_i P_i / E = 1 whatever
 P is; all slots on one expert with probability 1 gives E. Hugging Face's Mixtral loss counts f
-per slot (each of the k rows sums to 1), which is k * L_aux. Since f is a count, the gradient
-flows through P alone:
+per slot (each of the k rows sums to 1), which is k * L_aux; GShard's top-2 gate (fairscale's,
+DeepSpeed's) counts each token's first choice only, another loss. Since f is a count, the
+gradient flows through P alone:
     dL_aux / dz_tj = (E / T) * p_tj * (f_j - sum_i f_i p_ti)
 so a token's logit of an expert that is loaded above the token's f-weighted average goes down.
 
 Router z-loss (ST-MoE): L_z = (1/T) sum_t logsumexp(z_t)^2, with dL_z/dz_tj = (2/T) lse_t p_tj.
-It keeps the logits small (routing only sees their differences; large logits lose precision in
-bf16), and it is a mean over tokens.
+It keeps the logits small (routing only sees their differences, and the larger the logits the
+coarser the differences a format keeps: bf16 steps are 0.5 near 64), and it is a mean over
+tokens.
 
 Over data-parallel ranks both are statistics of the whole batch: c_i, T and S_i = sum_t p_ti
 are sums over the ranks (an all_reduce of E + 1 numbers and of the E probability sums), and
@@ -32,9 +34,11 @@ Loss-free balancing (DeepSeek-V3, after Wang et al. 2024, "Auxiliary-loss-free l
 scores s_t = sigmoid(z_t); a per-expert bias b chooses the experts, top-k of s_t + b, but the
 weights stay the scores' own, s_tj / sum of the chosen s_t (`route_biased`). After each step
 b_i += rate * sign(mean(c) - c_i) from the counts c of the whole batch (`update_bias`): an
-overloaded expert becomes less attractive, without a gradient. torchtitan all-reduces the
-counts over its data-parallel ranks first (and subtracts the mean of the update); from local
-counts the ranks' biases drift apart.
+overloaded expert becomes less attractive, without a gradient; every step is exactly rate (0.001
+in DeepSeek-V3, Megatron-core and torchtitan), however far off the load. Megatron-core and
+torchtitan all-reduce the counts over the data- (and context-, tensor-) parallel ranks first
+(torchtitan also subtracts the mean of the update); from local counts the ranks' biases drift
+apart.
 
 Shared experts (DeepSeek-MoE, DeepSeek-V3): y = shared(x) + sum_j w_j expert_{e_j}(x); the shared
 expert runs on every token, beside the routed ones (`SharedMoE`).
@@ -46,9 +50,11 @@ Expert j's gradient on its holder already sums the tokens of its whole ep group 
 by all_to_all), so:
 - dense parameters: averaged over all n = dp * ep ranks (every rank saw other tokens);
 - expert parameters: summed over the dp ranks that hold a replica of the same experts, and
-  divided by the same n (Megatron-core scales expert gradients by 1 / dp_size of the dense
-  parameters for this reason; torchtitan sets FSDP's gradient divide factor of the experts
-  to the dense one). Divided by the dp group's size instead, they are ep times too large.
+  divided by the same n (Megatron-core reduces them over its expert data-parallel group and
+  scales them by 1 / the dense data-parallel size; torchtitan set the experts' FSDP gradient
+  divide factor to the dense one in 2025 (#1551), and since 2026 divides no gradient at all,
+  the loss by the whole batch's token count). Divided by the dp group's size instead (FSDP2's
+  default on the experts' smaller mesh), they are ep times too large.
 DDP around the whole model treats every parameter as a replica: when built it broadcasts rank
 0's parameters (so the other ep ranks' experts are overwritten), and in backward it averages
 each expert's gradient with those of the different experts that sit in the same place on the
