@@ -224,6 +224,16 @@ def false_still_gathers_twice(units, m, raf, last, rep):
     return right_answer(units, m, True if raf is False else raf, last, rep)
 
 
+def all_reduce_per_other_replica(units, m, raf, last, rep):
+    out = right_answer(units, m, raf, last, rep)
+    out["all_reduce"] = out["reduce_scatter"] * (rep - 1)
+    return out
+
+
+def true_taken_for_one(units, m, raf, last, rep):  # `raf == 1` is True for True too
+    return right_answer(units, m, False if raf == 1 else raf, last, rep)
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "fn, ok, says",
@@ -237,6 +247,8 @@ def false_still_gathers_twice(units, m, raf, last, rep):
         (no_hsdp_all_reduce, False, "followed by an all-reduce"),
         (all_reduce_every_microbatch, False, "with the sync skipped it is skipped too"),
         (false_still_gathers_twice, False, "skips the gather before backward"),
+        (all_reduce_per_other_replica, False, "not one per other replica"),
+        (true_taken_for_one, False, "expected"),  # no slip of the concept: the counts shown
         (lambda *case: (1, 2, 3), False, "raised TypeError"),
     ],
 )

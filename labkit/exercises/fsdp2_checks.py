@@ -13,8 +13,9 @@ counts it names, each on cases where it differs from the right one:
   backward all-gather stays, inside that group);
 - `set_requires_gradient_sync(False)` on the first m-1 micro-batches leaving no reduce-scatter
   at all (the last one syncs), or removing the all-gathers too;
-- HSDP's all-reduce over the replicate axis forgotten, or counted per micro-batch while the
-  reduce-scatters are skipped (it reduces the reduce-scatter's output: one per reduce-scatter).
+- HSDP's all-reduce over the replicate axis forgotten, counted per micro-batch while the
+  reduce-scatters are skipped (it reduces the reduce-scatter's output: one per reduce-scatter),
+  or counted once per other replica (it is one collective over the whole replicate axis).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ CASES = (
     (6, 2, 2, False, 1),
     (4, 4, True, True, 2),
     (3, 2, False, False, 2),
-    (2, 3, 2, True, 4),
+    (2, 2, 2, True, 4),
 )
 
 
@@ -48,6 +49,8 @@ def _want(units: int, m: int, raf: bool | int, last: bool, rep: int) -> dict[str
 
 
 def _slips(units: int, m: int, raf: bool | int, last: bool, rep: int) -> dict[str, dict]:
+    """The classic wrong counts that apply to this case (a slip about a setting the case does
+    not use would name the wrong mistake where two wrong counts coincide)."""
     want = _want(units, m, raf, last, rep)
     gathers_twice = raf is not False
 
@@ -55,33 +58,56 @@ def _slips(units: int, m: int, raf: bool | int, last: bool, rep: int) -> dict[st
         return {**want, **kw}
 
     rs_per_step = units
-    return {
-        "counted per step: FSDP2 gathers and reduce-scatters on every micro-batch's forward and "
-        "backward, so each count grows with the number of micro-batches": {
+    slips: dict[str, dict] = {}
+    if m > 1:
+        slips[
+            "counted per step: FSDP2 gathers and reduce-scatters on every micro-batch's forward "
+            "and backward, so each count grows with the number of micro-batches"
+        ] = {
             "all_gather": units * (2 if gathers_twice else 1),
             "reduce_scatter": rs_per_step,
             "all_reduce": rs_per_step if rep > 1 else 0,
-        },
-        "reshard_after_forward=False keeps a unit gathered from its forward to its backward "
-        "only: the backward reshards it, so every micro-batch's forward gathers it again "
-        "(m all-gathers per unit)": with_(all_gather=units),
-        "reshard_after_forward=False skips the gather before backward: one all-gather per "
-        "unit and micro-batch, not two": with_(all_gather=2 * units * m),
-        "an int reshard_after_forward re-shards to a smaller group after forward: backward "
-        "still all-gathers, inside that group (2 per unit and micro-batch)": with_(
-            all_gather=units * m
-        ),
-        "with set_requires_gradient_sync(False) on the first m-1 micro-batches the last one "
-        "still reduce-scatters: one per unit and step, not none": with_(
-            reduce_scatter=0, all_reduce=0
-        ),
-        "set_requires_gradient_sync skips reductions only: every forward and backward still "
-        "all-gathers": with_(all_gather=units * (2 if gathers_twice else 1)),
-        "on an HSDP mesh each reduce-scatter over the shard axis is followed by an all-reduce "
-        "of its output over the replicate axis": with_(all_reduce=0),
-        "the all-reduce reduces the reduce-scatter's output: with the sync skipped it is "
-        "skipped too (one all-reduce per reduce-scatter)": with_(all_reduce=units * m),
-    }
+        }
+    if raf is False:
+        slips[
+            "reshard_after_forward=False keeps a unit gathered from its forward to its backward "
+            "only: the backward reshards it, so every micro-batch's forward gathers it again "
+            "(m all-gathers per unit)"
+        ] = with_(all_gather=units)
+        slips[
+            "reshard_after_forward=False skips the gather before backward: one all-gather per "
+            "unit and micro-batch, not two"
+        ] = with_(all_gather=2 * units * m)
+    if not isinstance(raf, bool):
+        slips[
+            "an int reshard_after_forward re-shards to a smaller group after forward: backward "
+            "still all-gathers, inside that group (2 per unit and micro-batch)"
+        ] = with_(all_gather=units * m)
+    if last:
+        slips[
+            "with set_requires_gradient_sync(False) on the first m-1 micro-batches the last one "
+            "still reduce-scatters: one per unit and step, not none"
+        ] = with_(reduce_scatter=0, all_reduce=0)
+        slips[
+            "set_requires_gradient_sync skips reductions only: every forward and backward still "
+            "all-gathers"
+        ] = with_(all_gather=units * (2 if gathers_twice else 1))
+    if rep > 1:
+        slips[
+            "on an HSDP mesh each reduce-scatter over the shard axis is followed by an "
+            "all-reduce of its output over the replicate axis"
+        ] = with_(all_reduce=0)
+    if rep > 1 and last:
+        slips[
+            "the all-reduce reduces the reduce-scatter's output: with the sync skipped it is "
+            "skipped too (one all-reduce per reduce-scatter)"
+        ] = with_(all_reduce=units * m)
+    if rep > 2:
+        slips[
+            "the all-reduce is one collective over the whole replicate axis, whatever its size: "
+            "one per reduce-scatter, not one per other replica"
+        ] = with_(all_reduce=want["reduce_scatter"] * (rep - 1))
+    return slips
 
 
 def check_step_counts(fn: Callable[..., Any]) -> Verdict:
