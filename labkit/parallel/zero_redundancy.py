@@ -249,6 +249,9 @@ class AllocationPeak:
     It counts every tensor the block allocates (collective buffers, gradients, activations),
     as the allocator reports them: on CPU ranks too, where torch keeps no allocator statistics
     (on CUDA `torch.cuda.max_memory_allocated` gives the same view).
+    The profiler records only the allocations and frees made on the thread that profiles: a
+    buffer that gloo's own thread frees (the last reference to a collective's tensor) can go
+    missing, so a run may read one buffer too high. Take the least of several runs.
 
         with AllocationPeak() as mem:
             loss.backward()
