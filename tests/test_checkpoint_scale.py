@@ -1,0 +1,185 @@
+"""torch.distributed.checkpoint at scale (labkit/parallel/checkpoint_scale.py, notebook 44):
+a checkpoint saved by FSDP2 on 4 ranks (Shard(0)) loads bit for bit on 2 ranks (Shard(1));
+an interrupted run resumed with the data position and per-rank RNG equals the run that never
+stopped, and each thing forgotten makes it drift; async_save writes what a sync save writes."""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from labkit.parallel import checkpoint_scale as cs
+from labkit.parallel.datasets import load_digits
+
+try:
+    from tests.distributed import run_ranks
+except ImportError:  # tests/ itself on sys.path (pytest's default rootdir-less import)
+    from distributed import run_ranks
+
+N_ROWS, BATCH = 512, 32  # 128 rows a rank on 4 ranks: 4 steps an epoch
+
+
+def _setup(rank, world_size, seed, dim=0, p=0.3):
+    import torch.distributed.tensor  # noqa: F401
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.utils.data import DistributedSampler
+
+    torch.set_num_threads(1)
+    mesh = init_device_mesh("cpu", (world_size,))
+    model = cs.shard_mlp(cs.make_dropout_mlp(seed=seed, p=p), mesh, dim=dim)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sampler = DistributedSampler(range(N_ROWS), world_size, rank, shuffle=True, seed=0)
+    return model, opt, sampler
+
+
+def _full(model):
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def _save4(rank, world_size, path):
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    X, y = load_digits()
+    model, opt, sampler = _setup(rank, world_size, seed=0, p=0.0)
+    cs.train(model, opt, X, y, sampler, BATCH, (0, 0), (0, 3))
+    msd, osd = get_state_dict(model, opt)
+    save({"model": msd, "optim": osd}, checkpoint_id=path)
+    exp_avg = {k: v["exp_avg"].full_tensor() for k, v in osd["state"].items()}
+    # the one-process reference: the same 3 steps on the 4 ranks' batches together
+    one = cs.make_dropout_mlp(seed=0, p=0.0)
+    one_opt = torch.optim.Adam(one.parameters(), lr=1e-2)
+    for i in range(3):
+        idx = torch.cat([cs.batches(_Sampler(r, world_size), BATCH, 0)[i] for r in range(4)])
+        one_opt.zero_grad()
+        torch.nn.functional.cross_entropy(one(X[idx]), y[idx]).backward()
+        one_opt.step()
+    return _full(model), exp_avg, dict(one.named_parameters())
+
+
+class _Sampler(torch.utils.data.DistributedSampler):
+    def __init__(self, rank, world_size):
+        super().__init__(range(N_ROWS), world_size, rank, shuffle=True, seed=0)
+
+
+def _load2(rank, world_size, path):
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model, opt, _ = _setup(rank, world_size, seed=5, dim=1, p=0.0)
+    msd, osd = get_state_dict(model, opt)
+    state = {"model": msd, "optim": osd}
+    load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
+    _, osd = get_state_dict(model, opt)
+    exp_avg = {k: v["exp_avg"].full_tensor() for k, v in osd["state"].items()}
+    return _full(model), exp_avg, shapes
+
+
+@pytest.mark.timeout(180)
+def test_reshard_4_to_2_bitwise(tmp_path):
+    path = str(tmp_path / "ckpt")
+    saved = run_ranks(_save4, 4, path)
+    files = sorted(os.listdir(path))
+    assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
+    full4, exp4, one = saved[0]
+    for name, p in one.items():  # FSDP2 on 4 ranks = one process on the whole batch
+        assert (full4[name] - p.detach()).abs().max() < 1e-6, name
+    loaded = run_ranks(_load2, 2, path)
+    for full2, exp2, shapes in loaded:
+        assert full2.keys() == full4.keys()
+        assert all(torch.equal(full2[k], full4[k]) for k in full4)
+        assert all(torch.equal(exp2[k], exp4[k]) for k in exp4)
+        assert shapes == {"0.weight": (128, 32), "0.bias": (64,), "3.weight": (10, 64),
+                          "3.bias": (5,)}  # fmt: skip
+
+
+def _resume(rank, world_size, path, forget):
+    """The run that never stops, and one stopped at (1, 2) and resumed from DCP forgetting
+    `forget` (None: nothing); returns whether the final weights are bitwise equal."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    X, y = load_digits()
+    device = torch.device("cpu")
+    torch.manual_seed(100 + rank)
+    model, opt, sampler = _setup(rank, world_size, seed=0)
+    cs.train(model, opt, X, y, sampler, BATCH, (0, 0), (2, 2))
+    straight = _full(model)
+
+    torch.manual_seed(100 + rank)
+    model, opt, sampler = _setup(rank, world_size, seed=0)
+    pos = cs.train(model, opt, X, y, sampler, BATCH, (0, 0), (1, 2))
+    extra = cs.resume_extra(pos, device)
+    if forget == "shared rng key":
+        extra["rng"] = extra.pop(cs.rng_key(rank))
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd, "extra": extra}, checkpoint_id=f"{path}/{forget}")
+
+    torch.manual_seed(999)  # a new process: another RNG state, fresh model and optimizer
+    model, opt, sampler = _setup(rank, world_size, seed=7)
+    msd, osd = get_state_dict(model, opt)
+    template = cs.resume_extra((0, 0), device)
+    if forget == "shared rng key":
+        template["rng"] = template.pop(cs.rng_key(rank))
+    state = {"model": msd, "optim": osd, "extra": template}
+    dcp.load(state, checkpoint_id=f"{path}/{forget}")
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    extra = state["extra"]
+    if forget == "shared rng key":
+        cs.set_rng_state(extra["rng"], device)
+        pos = extra["epoch"], extra["index"]
+    elif forget != "rng":
+        pos = cs.restore_extra(extra, device)
+    else:
+        pos = extra["epoch"], extra["index"]
+    if forget == "epoch":
+        pos = (0, pos[1])
+    if forget == "index":
+        pos = (pos[0], 0)
+    cs.train(model, opt, X, y, sampler, BATCH, pos, (2, 2))
+    resumed = _full(model)
+    return all(torch.equal(straight[k], resumed[k]) for k in straight)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("forget", [None, "rng", "shared rng key", "epoch", "index"])
+def test_exact_resume_and_what_drifts(tmp_path, forget):
+    equal = run_ranks(_resume, 4, str(tmp_path), forget)
+    assert all(equal) if forget is None else not any(equal), (forget, equal)
+
+
+def _async(rank, world_size, path):
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    X, y = load_digits()
+    model, opt, sampler = _setup(rank, world_size, seed=0)
+    cs.train(model, opt, X, y, sampler, BATCH, (0, 0), (0, 1))
+    group = dist.new_group(backend="gloo")
+    before = {k: v.full_tensor() for k, v in get_state_dict(model, opt)[0].items()}
+    gate = threading.Event()
+    msd, osd = get_state_dict(model, opt)
+    future = dcp.async_save(
+        {"model": msd}, storage_writer=cs.GatedWriter(f"{path}/async", gate), process_group=group
+    )
+    written_early = os.path.exists(f"{path}/async/.metadata")
+    cs.train(model, opt, X, y, sampler, BATCH, (0, 1), (0, 2))  # changes the weights
+    gate.set()
+    future.result()
+    dist.barrier()
+    template = get_state_dict(model, opt)[0]
+    dcp.load({"model": template}, checkpoint_id=f"{path}/async")
+    loaded = {k: v.full_tensor() for k, v in template.items()}
+    return written_early, all(torch.equal(before[k], loaded[k]) for k in before)
+
+
+@pytest.mark.timeout(120)
+def test_async_save_writes_the_state_at_the_call(tmp_path):
+    for written_early, equal in run_ranks(_async, 2, str(tmp_path)):
+        assert not written_early and equal
