@@ -6,12 +6,15 @@ stopped, and each thing forgotten makes it drift; async_save writes what a sync 
 from __future__ import annotations
 
 import os
+import sys
 import threading
 
+import cloudpickle
 import pytest
 import torch
 import torch.distributed as dist
 
+from labkit.exercises.checkpoint_scale_checks import check_resume_state, solution_resume_state
 from labkit.parallel import checkpoint_scale as cs
 from labkit.parallel.datasets import load_digits
 
@@ -20,6 +23,7 @@ try:
 except ImportError:  # tests/ itself on sys.path (pytest's default rootdir-less import)
     from distributed import run_ranks
 
+cloudpickle.register_pickle_by_value(sys.modules[__name__])  # ranks cannot import this module
 N_ROWS, BATCH = 512, 32  # 128 rows a rank on 4 ranks: 4 steps an epoch
 
 
@@ -99,19 +103,14 @@ def test_reshard_4_to_2_bitwise(tmp_path):
                           "3.bias": (5,)}  # fmt: skip
 
 
-def _resume(rank, world_size, path, forget):
-    """The run that never stops, and one stopped at (1, 2) and resumed from DCP forgetting
-    `forget` (None: nothing); returns whether the final weights are bitwise equal."""
+def _resume(rank, world_size, path, forget, straight):
+    """A run stopped at (1, 2) and resumed from DCP forgetting `forget` (None: nothing);
+    returns whether its final weights equal `straight`'s (the run that never stopped) bitwise."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     X, y = load_digits()
-    device = torch.device("cpu")
-    torch.manual_seed(100 + rank)
-    model, opt, sampler = _setup(rank, world_size, seed=0)
-    cs.train(model, opt, X, y, sampler, BATCH, (0, 0), (2, 2))
-    straight = _full(model)
-
+    device = torch.device("cpu")  # run_ranks: gloo ranks on the CPU
     torch.manual_seed(100 + rank)
     model, opt, sampler = _setup(rank, world_size, seed=0)
     pos = cs.train(model, opt, X, y, sampler, BATCH, (0, 0), (1, 2))
@@ -147,11 +146,22 @@ def _resume(rank, world_size, path, forget):
     return all(torch.equal(straight[k], resumed[k]) for k in straight)
 
 
+FORGETS = (None, "rng", "shared rng key", "epoch", "index")
+
+
+def _resume_all(rank, world_size, path):
+    X, y = load_digits()
+    torch.manual_seed(100 + rank)
+    model, opt, sampler = _setup(rank, world_size, seed=0)
+    cs.train(model, opt, X, y, sampler, BATCH, (0, 0), (2, 2))
+    straight = _full(model)
+    return {f: _resume(rank, world_size, path, f, straight) for f in FORGETS}
+
+
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("forget", [None, "rng", "shared rng key", "epoch", "index"])
-def test_exact_resume_and_what_drifts(tmp_path, forget):
-    equal = run_ranks(_resume, 4, str(tmp_path), forget)
-    assert all(equal) if forget is None else not any(equal), (forget, equal)
+def test_exact_resume_and_what_drifts(tmp_path):
+    for equal in run_ranks(_resume_all, 4, str(tmp_path)):
+        assert equal == {f: f is None for f in FORGETS}, equal
 
 
 def _async(rank, world_size, path):
@@ -183,3 +193,91 @@ def _async(rank, world_size, path):
 def test_async_save_writes_the_state_at_the_call(tmp_path):
     for written_early, equal in run_ranks(_async, 2, str(tmp_path)):
         assert not written_early and equal
+
+
+# ---------------------------------------------------------------- the exercise's checker
+
+
+def _rng():
+    return torch.get_rng_state()
+
+
+def save_own_key(position, device):
+    return {"epoch": position[0], "index": position[1], f"rng{dist.get_rank()}": _rng()}
+
+
+def load_own_key(extra, device):
+    torch.set_rng_state(extra[f"rng{dist.get_rank()}"])
+    return extra["epoch"], extra["index"]
+
+
+def save_gathered(position, device):  # every rank's state in one tensor: one copy is right
+    states = [torch.empty_like(_rng()) for _ in range(dist.get_world_size())]
+    dist.all_gather(states, _rng())
+    return {"position": torch.tensor(position), "rng_all": torch.stack(states)}
+
+
+def load_gathered(extra, device):
+    torch.set_rng_state(extra["rng_all"][dist.get_rank()].clone())
+    return tuple(extra["position"].tolist())
+
+
+def save_shared_key(position, device):  # the notebook's stub: DCP keeps one rank's copy
+    return {"epoch": position[0], "index": position[1], "rng": _rng()}
+
+
+def load_shared_key(extra, device):
+    torch.set_rng_state(extra["rng"])
+    return extra["epoch"], extra["index"]
+
+
+def save_rank0(position, device):  # rank 0's state for everyone
+    state = _rng().clone()
+    dist.broadcast(state, src=0)
+    return {"epoch": position[0], "index": position[1], "rng": state}
+
+
+def save_no_rng(position, device):
+    return {"epoch": position[0], "index": position[1]}
+
+
+def load_no_rng(extra, device):
+    return extra["epoch"], extra["index"]
+
+
+def load_no_epoch(extra, device):  # the loop counter starts again at 0: set_epoch(0)
+    load_own_key(extra, device)
+    return 0, extra["index"]
+
+
+def load_no_index(extra, device):  # the epoch starts again from its first batch
+    load_own_key(extra, device)
+    return extra["epoch"], 0
+
+
+def _solution():
+    namespace = {"torch": torch, "dist": dist}
+    exec(solution_resume_state().code, namespace)
+    return namespace["save_extra"], namespace["load_extra"]
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "save, load, ok, says",
+    [
+        ("solution", None, True, "bit for bit"),
+        (save_own_key, load_own_key, True, "bit for bit"),
+        (save_gathered, load_gathered, True, "bit for bit"),
+        (save_shared_key, load_shared_key, False, "its own key"),
+        (save_rank0, load_shared_key, False, "rank 0's RNG state"),
+        (save_no_rng, load_no_rng, False, "not the one it had"),
+        (save_own_key, load_no_epoch, False, "epoch"),
+        (save_own_key, load_no_index, False, "position in the epoch"),
+    ],
+)
+def test_check_resume_state(lab, save, load, ok, says):
+    if save == "solution":
+        save, load = _solution()
+    verdict = check_resume_state(lab, save, load)
+    assert bool(verdict) is ok, verdict
+    assert says in verdict.message, verdict
