@@ -138,7 +138,7 @@ def solution_resume_state() -> Any:
     return reveal("""
 def save_extra(position, device):
     epoch, index = position
-    rng = {"cpu": torch.get_rng_state()}
+    rng = {"host": torch.get_rng_state()}
     if device.type == "cuda":
         rng["cuda"] = torch.cuda.get_rng_state(device)
     return {"epoch": epoch, "index": index, f"rng_rank{dist.get_rank()}": rng}
@@ -146,7 +146,7 @@ def save_extra(position, device):
 
 def load_extra(extra, device):
     rng = extra[f"rng_rank{dist.get_rank()}"]
-    torch.set_rng_state(rng["cpu"])
+    torch.set_rng_state(rng["host"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(rng["cuda"], device)
     return extra["epoch"], extra["index"]

@@ -121,7 +121,7 @@ def rng_key(rank: int) -> str:
 def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
     """This rank's RNG state: the CPU generator and, on a CUDA rank, its device's generator
     (dropout on a GPU draws from the CUDA generator, not the CPU one)."""
-    state = {"cpu": torch.get_rng_state()}
+    state = {"host": torch.get_rng_state()}
     if device.type == "cuda":
         state["cuda"] = torch.cuda.get_rng_state(device)
     return state
@@ -129,7 +129,7 @@ def rng_state(device: torch.device) -> dict[str, torch.Tensor]:
 
 def set_rng_state(state: dict[str, torch.Tensor], device: torch.device) -> None:
     """Put back what `rng_state` returned (on the same kind of device)."""
-    torch.set_rng_state(state["cpu"])
+    torch.set_rng_state(state["host"])
     if device.type == "cuda":
         torch.cuda.set_rng_state(state["cuda"], device)
 
