@@ -85,13 +85,28 @@ def _load2(rank, world_size, path):
     return _full(model), exp_avg, shapes
 
 
-@pytest.mark.timeout(180)
-def test_reshard_4_to_2_bitwise(tmp_path):
-    path = str(tmp_path / "ckpt")
-    saved = run_ranks(_save4, 4, path)
+def _four(rank, world_size, root):
+    """Everything that runs on 4 ranks, in one spawn (starting ranks is the slow part)."""
+    return {
+        "save": _save4(rank, world_size, f"{root}/ckpt"),
+        "resume": _resume_all(rank, world_size, root),
+        "async": _async(rank, world_size, root),
+    }
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dcp")
+    return str(root), run_ranks(_four, 4, str(root))
+
+
+@pytest.mark.timeout(240)
+def test_reshard_4_to_2_bitwise(four):
+    root, results = four
+    path = f"{root}/ckpt"
     files = sorted(os.listdir(path))
     assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
-    full4, exp4, one = saved[0]
+    full4, exp4, one = results[0]["save"]
     for name, p in one.items():  # FSDP2 on 4 ranks = one process on the whole batch
         assert (full4[name] - p.detach()).abs().max() < 1e-6, name
     loaded = run_ranks(_load2, 2, path)
@@ -158,10 +173,10 @@ def _resume_all(rank, world_size, path):
     return {f: _resume(rank, world_size, path, f, straight) for f in FORGETS}
 
 
-@pytest.mark.timeout(180)
-def test_exact_resume_and_what_drifts(tmp_path):
-    for equal in run_ranks(_resume_all, 4, str(tmp_path)):
-        assert equal == {f: f is None for f in FORGETS}, equal
+@pytest.mark.timeout(240)
+def test_exact_resume_and_what_drifts(four):
+    for result in four[1]:
+        assert result["resume"] == {f: f is None for f in FORGETS}, result["resume"]
 
 
 def _async(rank, world_size, path):
@@ -189,9 +204,10 @@ def _async(rank, world_size, path):
     return written_early, all(torch.equal(before[k], loaded[k]) for k in before)
 
 
-@pytest.mark.timeout(120)
-def test_async_save_writes_the_state_at_the_call(tmp_path):
-    for written_early, equal in run_ranks(_async, 2, str(tmp_path)):
+@pytest.mark.timeout(240)
+def test_async_save_writes_the_state_at_the_call(four):
+    for result in four[1]:
+        written_early, equal = result["async"]
         assert not written_early and equal
 
 
