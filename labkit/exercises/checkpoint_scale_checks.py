@@ -8,9 +8,11 @@ DistributedSampler, stopped in the middle of epoch 1, saved with dcp.save, reloa
 model, optimizer and RNG state, resumed; it compares the final weights bit for bit with the run
 that never stopped (the independent reference), and says what was forgotten.
 
-Classic wrong answers it rejects (tests/test_checkpoint_scale.py): the RNG not saved;
-the RNG under one key on every rank (DCP writes one copy, every rank reads it back); rank 0's
-RNG broadcast to all; the sampler's epoch forgotten; the batches done in the epoch forgotten.
+Classic wrong answers it rejects (tests/test_checkpoint_scale.py; the notebook's stub in
+tests/test_checkers_stubs.py): the RNG not saved; the RNG seeded again at the restart instead
+of restored; the RNG under one key on every rank (DCP writes one copy, every rank reads it
+back); rank 0's RNG broadcast to all; the sampler's epoch forgotten; the batches done in the
+epoch forgotten.
 """
 
 from __future__ import annotations
