@@ -80,12 +80,14 @@ def _load2(rank, path):
     model, opt, _ = _setup(rank, 2, seed=5, dim=1, p=0.0, mesh=mesh)
     msd, osd = get_state_dict(model, opt)
     state = {"model": msd, "optim": osd}
-    load(state, checkpoint_id=path, process_group=group)
+    reader = cs.RecordingReader(path)
+    load(state, storage_reader=reader, process_group=group)
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     shapes = {n: tuple(p.to_local().shape) for n, p in model.named_parameters()}
     _, osd = get_state_dict(model, opt)
     exp_avg = {k: v["exp_avg"].full_tensor() for k, v in osd["state"].items()}
-    return _full(model), exp_avg, shapes
+    reads = sorted(r for r in reader.reads if r[0] in ("model.0.weight", "model.0.bias"))
+    return _full(model), exp_avg, shapes, reads
 
 
 def _four(rank, world_size, root):
@@ -120,7 +122,15 @@ def test_reshard_4_to_2_bitwise(lab, four):
         assert (full4[name] - p.detach()).abs().max() < 1e-6, name
     loaded = _on(lab, lambda rank: _load2(rank, path), ranks="0,1")
     assert len(loaded) == 2
-    for full2, exp2, shapes in loaded:
+    for rank, (full2, exp2, shapes, reads) in enumerate(loaded):
+        # (key, saved chunk, piece's offset in it, in this rank's tensor, lengths), by hand:
+        # the rank's 32 columns cross all four saved row chunks of 0.weight, its 64 rows of
+        # 0.bias only two of the four saved chunks
+        weight = [("model.0.weight", (32 * k, 0), (0, 32 * rank), (32 * k, 0), (32, 32))
+                  for k in range(4)]  # fmt: skip
+        bias = [("model.0.bias", (32 * k,), (0,), (32 * (k - 2 * rank),), (32,))
+                for k in (2 * rank, 2 * rank + 1)]  # fmt: skip
+        assert reads == sorted(weight + bias), reads
         assert full2.keys() == full4.keys()
         assert all(torch.equal(full2[k], full4[k]) for k in full4)
         assert all(torch.equal(exp2[k], exp4[k]) for k in exp4)

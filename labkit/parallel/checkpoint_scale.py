@@ -23,10 +23,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 
 __all__ = [
     "GatedWriter",
+    "RecordingReader",
     "batches",
     "make_dropout_mlp",
     "restore_extra",
@@ -162,3 +163,29 @@ class GatedWriter(FileSystemWriter):
         if not self.gate.wait(timeout=120):
             raise TimeoutError("GatedWriter: the gate was never opened")
         return super().write_data(plan, planner)
+
+
+class RecordingReader(FileSystemReader):
+    """A FileSystemReader that notes what this rank reads, to show what resharding on load reads.
+
+    `reads` gets one tuple per read: (key, offset of the saved chunk read from, offset of the
+    piece in that chunk, offset of the piece in this rank's tensor, the piece's lengths), from
+    the ReadItems of the load plan DCP hands to `read_data`. The reading is FileSystemReader's."""
+
+    def __init__(self, path: str, **kwargs: Any) -> None:
+        super().__init__(path, **kwargs)
+        self.reads: list[tuple[Any, ...]] = []
+
+    def read_data(self, plan: Any, planner: Any) -> Any:
+        for item in plan.items:
+            index = item.storage_index
+            self.reads.append(
+                (
+                    index.fqn,
+                    tuple(index.offset or ()),
+                    tuple(item.storage_offsets),
+                    tuple(item.dest_offsets),
+                    tuple(item.lengths),
+                )
+            )
+        return super().read_data(plan, planner)
