@@ -243,14 +243,45 @@ def _async(rank, world_size, path):
     template = get_state_dict(model, opt)[0]
     dcp.load({"model": template}, checkpoint_id=f"{path}/async")
     loaded = {k: v.full_tensor() for k, v in template.items()}
-    return written_early, all(torch.equal(before[k], loaded[k]) for k in before)
+    equal = all(torch.equal(before[k], loaded[k]) for k in before)
+    return written_early, equal, _async_staged(model, opt, X, y, sampler, group, path)
+
+
+def _async_staged(model, opt, X, y, sampler, group, path):
+    """What notebook 44 says of async staging: with a DefaultStager that stages in its own
+    thread, async_save returns an AsyncSaveResponse; once staging_completion is done the weights
+    may change, and upload_completion ends the save (CPU ranks: no pinned memory, no
+    non-blocking copies, which need a GPU)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+    from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+    before = {k: v.full_tensor() for k, v in get_state_dict(model, opt)[0].items()}
+    stager = DefaultStager(StagingOptions(False, False, True, False))  # pin, share, async, nb
+    response = dcp.async_save(
+        {"model": get_state_dict(model, opt)[0]},
+        checkpoint_id=f"{path}/staged",
+        process_group=group,
+        async_stager=stager,
+    )
+    response.staging_completion.result()  # the copy is done: the weights may change
+    cs.train(model, opt, X, y, sampler, BATCH, (0, 2), (0, 3))
+    response.upload_completion.result()
+    stager.close()
+    template = get_state_dict(model, opt)[0]
+    dcp.load({"model": template}, checkpoint_id=f"{path}/staged")
+    loaded = {k: v.full_tensor() for k, v in template.items()}
+    return isinstance(response, AsyncSaveResponse) and all(
+        torch.equal(before[k], loaded[k]) for k in before
+    )
 
 
 @pytest.mark.timeout(240)
 def test_async_save_writes_the_state_at_the_call(four):
     for result in four[1]:
-        written_early, equal = result["async"]
-        assert not written_early and equal
+        written_early, equal, staged = result["async"]
+        assert not written_early and equal and staged
 
 
 # ---------------------------------------------------------------- the exercise's checker
