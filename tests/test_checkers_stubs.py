@@ -1,4 +1,4 @@
-"""Every exercise stub of notebooks 00 and 10-34, as the notebook gives it, is rejected by its
+"""Every exercise stub of notebooks 00, 10-34 and 44, as the notebook gives it, is rejected by its
 checker (on 4 gloo ranks where it needs ranks): an exercise must not pass before the learner
 has written anything. The stub cells are read from the notebooks, so an edited stub is tested
 as it ships. Notebook 26's (owned with the ZeRO checker) and 28's (it needs RPC up: its stub
@@ -40,6 +40,7 @@ STUBS = {  # notebook: the id of its exercise cell (the stub and the checker cal
     "32_tensor_parallel": "e75f2457",
     "33_auto_split": "fc366a39",
     "34_what_is_not_model_parallelism": "190b9b16",
+    "44_checkpoints_at_scale": "eea4327b",
 }
 
 
