@@ -50,6 +50,24 @@ def test_a_blocking_call_inside_a_span_hides_nothing() -> None:
     assert _row(breakdown(recs), 0) == pytest.approx((0.7, 0.3, 0.0, 0.3, 0.0, 0.0))
 
 
+def test_ddp_buckets_without_a_measured_end_are_counted_and_said() -> None:
+    """DDP's bucket all-reduces read from the Flight Recorder on gloo end where they start:
+    they add nothing to comm, and the text says how many were left out; a bucket with a CUDA
+    event's device time is timed and not counted as untimed."""
+    recs = [
+        SpanRecord(rank=0, name="backward", start=0.0, end=1.0),
+        _ar(0, 1, 0.4, 0.4, (0,), recorded_by="flight_recorder"),
+        _ar(0, 2, 0.9, 0.9, (0,), recorded_by="flight_recorder"),
+    ]
+    b = breakdown(recs)
+    assert b.untimed == 2 and b.row(0).comm == 0.0
+    assert "2 collective(s) issued by torch itself" in b.text
+    timed = breakdown(recs[:2] + [_ar(0, 2, 0.9, 0.9, (0,), recorded_by="flight_recorder",
+                                      device_time=0.05)])  # fmt: skip
+    assert timed.untimed == 1 and timed.row(0).comm == pytest.approx(0.05)
+    assert "issued by torch itself" not in breakdown(recs[:1]).text
+
+
 def test_nested_spans_count_once() -> None:
     recs = [
         SpanRecord(rank=0, name="step", start=0.0, end=1.0),

@@ -134,6 +134,18 @@ class Breakdown:
     cell: int | None = None
     label: str = ""
     incomplete: list[tuple[str, int, tuple[int, ...]]] = field(default_factory=list)
+    untimed: int = 0  # collectives with no measured duration (DDP's buckets on gloo)
+
+    @property
+    def untimed_line(self) -> str:
+        """What the numbers leave out: collectives torch issued from C++ whose end no one
+        measured (DDP's bucket all-reduces read from the Flight Recorder on gloo), or ""."""
+        if not self.untimed:
+            return ""
+        return (
+            f"{self.untimed} collective(s) issued by torch itself (DDP's buckets, from the "
+            "Flight Recorder) have no measured duration here: their time is not in comm"
+        )
 
     def row(self, rank: int) -> RankTime:
         return next(r for r in self.rows if r.rank == rank)
@@ -168,6 +180,8 @@ class Breakdown:
         ]
         table = [TEXT_HEADERS] + [text_row(r) for r in self.rows]
         lines = head + columns(table) + [self.straggler_line]
+        if self.untimed:
+            lines.append(self.untimed_line)
         for op, seq, missing in self.incomplete:
             ranks = ", ".join(str(r) for r in missing)
             lines.append(f"{op} #{seq}: rank(s) {ranks} of its group never entered it")
@@ -252,6 +266,10 @@ def breakdown(
         timed = frozenset(r.device_time is not None for r in calls)
         parts[rank] = (spans, union(blocking + hiding), hiding, SOURCES.get(timed, "host"))
     waits, straggler, incomplete = _waits(comms, computing)
+    untimed = sum(
+        r.recorded_by == "flight_recorder" and r.device_time is None and r.end <= r.start
+        for r in comms
+    )
     rows = []
     for rank, (spans, comm, hiding, source) in parts.items():
         overlapped = length(intersect(hiding, computing[rank]))
@@ -268,7 +286,7 @@ def breakdown(
                 source=source,
             )
         )
-    return Breakdown(rows, straggler, window, cell, label, incomplete)
+    return Breakdown(rows, straggler, window, cell, label, incomplete, untimed)
 
 
 def _waits(

@@ -104,7 +104,8 @@ def breakdown_figure(parts: list[Breakdown]) -> go.Figure:
 def _table(one: Breakdown) -> str:
     rows = [text_row(r) for r in one.rows]
     caption = f"{one.name}: where each rank's time went"
-    return html_table(TEXT_HEADERS, rows, caption) + f"<div>{one.straggler_line}</div>"
+    note = f"<div>{one.untimed_line}</div>" if one.untimed else ""
+    return html_table(TEXT_HEADERS, rows, caption) + f"<div>{one.straggler_line}</div>" + note
 
 
 class BreakdownView(View):
