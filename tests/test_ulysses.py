@@ -90,3 +90,24 @@ def test_bytes_by_hand():
     assert uly.ulysses_bytes(64, 4, 8, 8, 16, 4) == 4 * 3 * 512 * 4
     assert uly.ring_backward_bytes(64, 4, 16, 16, 4) == 7 * 16 * 32 * 4
     assert math.lcm(2, 4) == uly.replicate_kv(torch.zeros(1, 2, 1), 4).shape[1]
+
+
+def _short_rank(rank, world_size):
+    g = torch.Generator().manual_seed(1)
+    q, k, v, w = (torch.randn(S, D, generator=g, dtype=torch.float64) for _ in range(4))
+    rows = slice(rank * S // world_size, (rank + 1) * S // world_size)
+    fwd = uly.ring_attention(q[rows], k[rows], v[rows], "contiguous")
+    return uly.ring_attention_backward(
+        q[rows], k[rows], v[rows], fwd.out, fwd.lse, w[rows], last_hop=False
+    )
+
+
+@pytest.mark.timeout(120)
+def test_one_hop_short_returns_the_next_ranks_gradient():
+    g = torch.Generator().manual_seed(1)
+    q, k, v, w = (torch.randn(S, D, generator=g, dtype=torch.float64) for _ in range(4))
+    k = k.clone().requires_grad_()
+    (attention(q, k, v, True) * w).sum().backward()
+    got, c = run_ranks(_short_rank, 4), S // 4
+    for r in range(4):
+        torch.testing.assert_close(got[r][1], k.grad[(r + 1) % 4 * c : ((r + 1) % 4 + 1) * c])

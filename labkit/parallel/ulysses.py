@@ -142,6 +142,7 @@ def ring_attention_backward(
     dout: torch.Tensor,
     causal: bool = True,
     group: Group = None,
+    last_hop: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of this rank's rows of ring attention (contiguous layout, [S/n, d] each),
     from the forward's `out` and `lse` (`ring_attention`): the K/V blocks go round the ring
@@ -173,6 +174,8 @@ def ring_attention_backward(
         if step < n - 1:
             next_kv = torch.empty_like(kv)
             ops += [dist.isend(kv, nxt, group=group), dist.irecv(next_kv, prv, group=group)]
+        if step == n - 1 and not last_hop:
+            break
         ops += [  # tag 1: gloo matches by tag; NCCL ignores tags and keeps the order
             dist.isend(dkv, nxt, group=group, tag=1),
             dist.irecv(incoming, prv, group=group, tag=1),
