@@ -1,6 +1,8 @@
 """Ulysses attention and ring attention's backward (labkit.parallel.ulysses) on 4 gloo ranks
 against attention computed in one process by autograd: outputs and gradients, with multi-head
-and grouped-query attention; the head-count limit; the bytes formulas."""
+and grouped-query attention; the head-count limit; the bytes formulas. The ranks are spawned
+once for the module (`ranks`): each rank runs every case in turn and returns all the answers,
+which the tests then check one case each."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from labkit.parallel.context_parallel import attention
 from tests.distributed import run_ranks
 
 S, H, D = 32, 8, 4
+ULYSSES_CASES = [(8, False), (4, False), (2, True)]  # (KV heads, replicate them first)
 
 
 def _inputs(kv_heads):
@@ -25,7 +28,12 @@ def _inputs(kv_heads):
     return q, k, v, w
 
 
-def _ulysses_rank(rank, world_size, kv_heads, replicate):
+def _ring_inputs():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randn(S, D, generator=g, dtype=torch.float64) for _ in range(4)]
+
+
+def _ulysses_case(rank, world_size, kv_heads, replicate):
     q, k, v, w = _inputs(kv_heads)
     rows = slice(rank * S // world_size, (rank + 1) * S // world_size)
     q, k, v = (t[rows].clone().requires_grad_() for t in (q, k, v))
@@ -35,22 +43,7 @@ def _ulysses_rank(rank, world_size, kv_heads, replicate):
     return out.detach(), q.grad, k.grad, v.grad
 
 
-@pytest.mark.timeout(120)
-@pytest.mark.parametrize(("kv_heads", "replicate"), [(8, False), (4, False), (2, True)])
-def test_ulysses_equals_one_process(kv_heads, replicate):
-    q, k, v, w = _inputs(kv_heads)
-    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
-    ref = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
-    ).transpose(0, 1)
-    (ref * w).sum().backward()
-    got = run_ranks(_ulysses_rank, 4, kv_heads, replicate)
-    for name, want, i in (("out", ref.detach(), 0), ("dq", q.grad, 1), ("dk", k.grad, 2)):
-        torch.testing.assert_close(torch.cat([g[i] for g in got]), want, msg=name)
-    torch.testing.assert_close(torch.cat([g[3] for g in got]), v.grad)
-
-
-def _too_few_heads(rank, world_size):
+def _too_few_heads():
     q = torch.randn(4, 8, 2)
     try:
         uly.ulysses_attention(q, q[:, :2], q[:, :2])
@@ -59,30 +52,66 @@ def _too_few_heads(rank, world_size):
     return "no error"
 
 
-@pytest.mark.timeout(60)
-def test_kv_heads_must_divide():
-    assert all("KV heads 2 must both divide by 4" in m for m in run_ranks(_too_few_heads, 4))
-
-
-def _ring_rank(rank, world_size, causal):
-    g = torch.Generator().manual_seed(1)
-    q, k, v, w = (torch.randn(S, D, generator=g, dtype=torch.float64) for _ in range(4))
+def _ring_case(rank, world_size, causal):
+    q, k, v, w = _ring_inputs()
     rows = slice(rank * S // world_size, (rank + 1) * S // world_size)
     q, k, v = (t[rows].clone().requires_grad_() for t in (q, k, v))
     (uly.RingAttention.apply(q, k, v, causal) * w[rows]).sum().backward()
     return q.grad, k.grad, v.grad
 
 
-@pytest.mark.timeout(120)
+def _short_case(rank, world_size):
+    q, k, v, w = _ring_inputs()
+    rows = slice(rank * S // world_size, (rank + 1) * S // world_size)
+    fwd = uly.ring_attention(q[rows], k[rows], v[rows], "contiguous")
+    return uly.ring_attention_backward(
+        q[rows], k[rows], v[rows], fwd.out, fwd.lse, w[rows], last_hop=False
+    )
+
+
+def _every_case(rank, world_size):
+    """One rank's answers to every case, in one process group (the spawn is the slow part)."""
+    return {
+        "ulysses": {case: _ulysses_case(rank, world_size, *case) for case in ULYSSES_CASES},
+        "too_few_heads": _too_few_heads(),
+        "ring": {causal: _ring_case(rank, world_size, causal) for causal in (True, False)},
+        "short": _short_case(rank, world_size),
+    }
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    return run_ranks(_every_case, 4, timeout=150)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize(("kv_heads", "replicate"), ULYSSES_CASES)
+def test_ulysses_equals_one_process(ranks, kv_heads, replicate):
+    q, k, v, w = _inputs(kv_heads)
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    ref = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, enable_gqa=True
+    ).transpose(0, 1)
+    (ref * w).sum().backward()
+    got = [r["ulysses"][(kv_heads, replicate)] for r in ranks]
+    for name, want, i in (("out", ref.detach(), 0), ("dq", q.grad, 1), ("dk", k.grad, 2)):
+        torch.testing.assert_close(torch.cat([g[i] for g in got]), want, msg=name)
+    torch.testing.assert_close(torch.cat([g[3] for g in got]), v.grad)
+
+
+@pytest.mark.timeout(180)
+def test_kv_heads_must_divide(ranks):
+    assert all("KV heads 2 must both divide by 4" in r["too_few_heads"] for r in ranks)
+
+
+@pytest.mark.timeout(180)
 @pytest.mark.parametrize("causal", [True, False])
-def test_ring_backward_equals_autograd(causal):
-    g = torch.Generator().manual_seed(1)
-    q, k, v, w = (torch.randn(S, D, generator=g, dtype=torch.float64) for _ in range(4))
+def test_ring_backward_equals_autograd(ranks, causal):
+    q, k, v, w = _ring_inputs()
     q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
     (attention(q, k, v, causal) * w).sum().backward()
-    got = run_ranks(_ring_rank, 4, causal)
     for i, want in enumerate((q.grad, k.grad, v.grad)):
-        torch.testing.assert_close(torch.cat([x[i] for x in got]), want)
+        torch.testing.assert_close(torch.cat([r["ring"][causal][i] for r in ranks]), want)
 
 
 def test_bytes_by_hand():
@@ -92,22 +121,14 @@ def test_bytes_by_hand():
     assert math.lcm(2, 4) == uly.replicate_kv(torch.zeros(1, 2, 1), 4).shape[1]
 
 
-def _short_rank(rank, world_size):
-    g = torch.Generator().manual_seed(1)
-    q, k, v, w = (torch.randn(S, D, generator=g, dtype=torch.float64) for _ in range(4))
-    rows = slice(rank * S // world_size, (rank + 1) * S // world_size)
-    fwd = uly.ring_attention(q[rows], k[rows], v[rows], "contiguous")
-    return uly.ring_attention_backward(
-        q[rows], k[rows], v[rows], fwd.out, fwd.lse, w[rows], last_hop=False
-    )
-
-
-@pytest.mark.timeout(120)
-def test_one_hop_short_returns_the_next_ranks_gradient():
-    g = torch.Generator().manual_seed(1)
-    q, k, v, w = (torch.randn(S, D, generator=g, dtype=torch.float64) for _ in range(4))
-    k = k.clone().requires_grad_()
+@pytest.mark.timeout(180)
+def test_one_hop_short_returns_the_next_ranks_gradient(ranks):
+    q, k, v, w = _ring_inputs()
+    k, v = k.clone().requires_grad_(), v.clone().requires_grad_()
     (attention(q, k, v, True) * w).sum().backward()
-    got, c = run_ranks(_short_rank, 4), S // 4
+    c = S // 4
     for r in range(4):
-        torch.testing.assert_close(got[r][1], k.grad[(r + 1) % 4 * c : ((r + 1) % 4 + 1) * c])
+        nxt = slice((r + 1) % 4 * c, ((r + 1) % 4 + 1) * c)
+        torch.testing.assert_close(ranks[r]["short"][1], k.grad[nxt])
+        torch.testing.assert_close(ranks[r]["short"][2], v.grad[nxt])
+        assert not torch.allclose(ranks[r]["short"][1], k.grad[r * c : (r + 1) * c])
