@@ -1,7 +1,7 @@
 """The checker of notebook 47's exercise (in this process, simulated ranks): the right Ulysses
 layouts pass; a reshape in the wrong dim order, scattering along the sequence, a transpose too
-many after receiving, forgetting the second all_to_all and merging heads in the wrong order are
-each named."""
+many after receiving, forgetting the second all_to_all, merging heads in the wrong order and
+sending a non-contiguous view are each named."""
 
 from __future__ import annotations
 
@@ -43,6 +43,11 @@ def no_second(x, P, all_to_all):  # the second all_to_all forgotten
     return x.reshape(s // P, P * h, d)
 
 
+def not_contiguous(x, P, all_to_all):  # the transposed view sent as it is
+    s, h, d = x.shape
+    return all_to_all(x.reshape(s, P, h // P, d).transpose(0, 1)).reshape(P * s, h // P, d)
+
+
 def merged_wrong(x, P, all_to_all):  # no transpose: group and positions mixed
     s, h, d = x.shape
     return all_to_all(x.reshape(P, s // P, h, d).contiguous()).reshape(s // P, P * h, d)
@@ -65,6 +70,7 @@ def test_right_answers_pass():
         (transposed_after, heads_to_seq, "positions out of order"),
         (seq_to_heads, no_second, "second all_to_all forgotten"),
         (seq_to_heads, merged_wrong, "heads_to_seq, rank 0"),
+        (not_contiguous, heads_to_seq, "call .contiguous() first"),
     ],
 )
 def test_classic_mistakes_named(first, second, says):

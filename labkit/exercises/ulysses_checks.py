@@ -7,8 +7,9 @@ Inputs are coded: element (s, h, e) holds 1000 s + 10 h + e, so a wrong answer c
 back: the heads a rank received (scattering along the sequence, or a reshape that cuts memory
 by positions, gives it heads of other ranks), the order of the positions (a transpose too many
 after receiving), the order of the heads on the way back (merging source rank and heads in the
-wrong order), and whether the way back called all_to_all at all. Then causal attention through
-both functions against full attention in one process (float64).
+wrong order), and whether the way back called all_to_all at all. A non-contiguous send (a
+transposed view) is refused, as all_to_all_single reads memory in order. Then causal attention
+through both functions against full attention in one process (float64).
 """
 
 from __future__ import annotations
@@ -39,6 +40,12 @@ def _run(fn: Callable[..., Any], inputs: list[Any]) -> tuple[list[Any], list[int
                 raise ValueError(
                     f"all_to_all wants dim 0 of size {P} (chunk j goes to rank j), got a "
                     f"tensor of shape {list(t.shape)}"
+                )
+            if not t.is_contiguous():  # dist.all_to_all_single reads memory in order
+                raise ValueError(
+                    "all_to_all got a non-contiguous tensor (a transposed view?): "
+                    "all_to_all_single sends memory in order, so gloo would scramble it "
+                    "silently and NCCL refuses it; call .contiguous() first"
                 )
             slots[rank] = t.clone()
             barrier.wait()
