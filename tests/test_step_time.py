@@ -14,6 +14,7 @@ from labkit.parallel.config_finder import Model, find_configs
 from labkit.parallel.step_time import (
     Speeds,
     attention_flops,
+    group_bandwidth,
     linear_flops,
     rank_by_step_time,
     step_time,
@@ -46,19 +47,52 @@ LLM = Model(7_000_000_000, 32, 4096, 32, 4096, global_batch=256, micro_batch=1)
 @pytest.mark.timeout(60)
 def test_ranking_limits():
     speeds = Speeds()
-    link = rank_by_step_time(LLM, 80e9, 64, dataclasses.replace(speeds, link_bandwidth=1e30))
+    endless = dataclasses.replace(speeds, link_bandwidth=1e30, network_bandwidth=1e30)
+    link = rank_by_step_time(LLM, 80e9, 64, endless)
     assert [p.overhead for p, _ in link] == sorted(p.overhead for p, _ in link)
     chip = rank_by_step_time(LLM, 80e9, 64, dataclasses.replace(speeds, peak_flops=1e30))
-    assert [p.comm["total"] for p, _ in chip] == sorted(p.comm["total"] for p, _ in chip)
+    assert [t["comm"] for _, t in chip] == sorted(t["comm"] for _, t in chip)
+    # all links alike: exposed time is bytes / one speed, so it orders by bytes
+    flat = dataclasses.replace(speeds, peak_flops=1e30, network_bandwidth=speeds.link_bandwidth)
+    same = rank_by_step_time(LLM, 80e9, 64, flat)
+    assert [p.comm["total"] for p, _ in same] == sorted(p.comm["total"] for p, _ in same)
     best = find_configs(LLM, 80e9, 64)[0]
     tokens = 256 * 4096
     flops = 6 * 7e9 * tokens + 12 * 32 * 4096 * 4096 * tokens
-    want = flops / 64 / (989e12 * 0.4)  # no bubble, no recomputation
+    want = flops / 64 / (989.4e12 * 0.4)  # no bubble, no recomputation
     assert abs(step_time(LLM, best, speeds)["compute"] - want) < 1e-9 * want
 
 
+@pytest.mark.timeout(60)
+def test_groups_wider_than_a_node_use_the_network():
+    speeds = Speeds(link_bandwidth=400e9, network_bandwidth=40e9, gpus_per_node=8)
+    plans = {p.config.label(): p for p in find_configs(LLM, 80e9, 64)}
+    # tp innermost, then dp, then pp: tp2 x dp16 spans 32 ranks (4 nodes), tp2 alone one node
+    p = plans["dp16 tp2 pp2 zero1"]
+    assert group_bandwidth(p, speeds) == {"tp": 400e9, "dp": 40e9, "pp": 40e9}
+    want = p.comm["tp"] / 400e9 + (p.comm["dp"] + p.comm["pp"]) / 40e9
+    assert abs(step_time(LLM, p, speeds)["comm"] - want) < 1e-12
+    # a whole job inside one node: every group on the link
+    small = Model(1_000_000_000, 16, 2048, 16, 2048, global_batch=16, micro_batch=1)
+    for q in find_configs(small, 80e9, 8):
+        assert set(group_bandwidth(q, speeds).values()) == {400e9}
+    # plain dp64: half the exposed share, half the time on the network
+    dp = plans["dp64 tp1 pp1 zero1"]
+    half = dataclasses.replace(speeds, dp_exposed=0.5)
+    assert abs(step_time(LLM, dp, half)["comm"] - 0.5 * dp.comm["dp"] / 40e9) < 1e-12
+
+
 @pytest.mark.timeout(10)
-@pytest.mark.parametrize("kw", [{"efficiency": 0}, {"peak_flops": -1}, {"dp_exposed": 2}])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"efficiency": 0},
+        {"peak_flops": -1},
+        {"dp_exposed": 2},
+        {"network_bandwidth": 0},
+        {"gpus_per_node": 0},
+    ],
+)
 def test_speeds_reject_nonsense(kw):
     with pytest.raises(ValueError):
         Speeds(**kw)

@@ -20,7 +20,7 @@ from labkit.exercises import Verdict, reveal, right, wrong
 
 __all__ = ["check_mfu", "solution_mfu"]
 
-H100 = {"bf16 dense": 989e12, "bf16 sparse": 1979e12}  # H100 SXM, NVIDIA's datasheet
+H100 = {"bf16 dense": 989.4e12, "bf16 sparse": 1978.9e12}  # H100 SXM, NVIDIA's whitepaper
 # (num_params, tokens_per_rank, world_size, step_seconds)
 CASES = ((7_000_000_000, 16_384, 8, 2.2), (1_300_000, 64, 4, 0.05), (70_000_000_000, 4096, 4, 9.0))
 
@@ -30,7 +30,10 @@ MISTAKES: tuple[tuple[Callable[[int], float], str], ...] = (
     (lambda w: 2 / 3, "4·N per token: the backward is two matmuls per weight (4·N), not one"),
     (lambda w: w, "the global batch's FLOPs over one GPU's peak: divide by all GPUs' peak"),
     (lambda w: 1 / w, "one rank's FLOPs over all GPUs' peak: use the global batch's tokens"),
-    (lambda w: 989 / 1979, "that is the sparse peak (2:4 sparsity); training uses the dense one"),
+    (
+        lambda w: H100["bf16 dense"] / H100["bf16 sparse"],
+        "that is the sparse peak (2:4 sparsity); training uses the dense one",
+    ),
 )
 
 
