@@ -43,7 +43,7 @@ NOTEBOOK = "01_views_tour.ipynb"
 FAILURES = "15_when_things_go_wrong.ipynb"  # the notebook that shows the most failures
 CHROMIUM = "/usr/bin/chromium"
 ARTIFACTS = os.path.join(ROOT, "artifacts")
-RUN_TIMEOUT_MS = 90_000
+RUN_TIMEOUT_MS = 180_000  # Run All of notebook 01: 120 s in CI-like run C8 at load 12-17 on 2 cores
 
 pytestmark = pytest.mark.browser
 
@@ -187,7 +187,7 @@ def _api(base: str, token: str, what: str) -> list:
         return json.load(r)
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(420)
 def test_views_tour_renders_and_survives_reopening(jupyter) -> None:
     from playwright.sync_api import sync_playwright
 
