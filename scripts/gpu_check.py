@@ -9,14 +9,18 @@ check") it
 2. runs `pytest -m gpu tests/test_gpu.py` beside every notebook, JOBS notebooks at a time, each
    through `scripts/gpu_notebooks.py` with `LABKIT_DEVICE=DEVICE` (on one GPU every lab's ranks
    share it), none started after BUDGET seconds and each stopped at its limit or the budget's end;
-3. times the host-staging copies (`scripts/staging_cost.py`) on DEVICE;
-4. prints one pass/fail table with each part's time, also written to OUT/summary.txt (the failed
+3. before those, on the still quiet machine, times a DDP training step in a 1-rank lab against
+   the same step under torchrun, alternating (`python -m labkit.bench --ddp`, once per model in
+   DDP; target: lab / torchrun <= DDP_TARGET);
+4. times the host-staging copies (`scripts/staging_cost.py`) on DEVICE;
+5. prints one pass/fail table with each part's time, also written to OUT/summary.txt (the failed
    notebooks' tracebacks in OUT/nb_errors.txt), and exits 0 only when everything passed.
 
 `--device cpu` runs the same on CPU ranks (what tests/test_gpu_check.py runs), `--dry-run`
 prints what it would run and runs nothing.
 
-    python3 scripts/gpu_check.py [--device cuda] [--jobs 5] [--budget 480] [NOTEBOOK...]
+    python3 scripts/gpu_check.py [--device cuda] [--jobs 5] [--budget 480] [--ddp issue,bench]
+                                 [NOTEBOOK...]
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DDP_TARGET = 1.01  # issue 32: a DDP step in a 1-GPU lab within 1 % of torchrun's
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -44,10 +49,19 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget", type=float, default=480, help="seconds; none starts after")
     p.add_argument("--nb-timeout", type=float, default=300, help="seconds per notebook")
     p.add_argument("--out", default=os.environ.get("OUT") or "gpu-check-out")
+    p.add_argument(
+        "--ddp",
+        default=None,
+        help="models of the DDP lab/torchrun step, comma-separated (issue, bench); '' for none;"
+        " default both on cuda, none on cpu",
+    )
     p.add_argument("--dry-run", action="store_true")
     args = p.parse_args(argv)
     if args.jobs < 1:
         p.error(f"--jobs must be 1 or more, got {args.jobs}")
+    if args.ddp is None:
+        args.ddp = "issue,bench" if args.device == "cuda" else ""
+    args.ddp = [m for m in args.ddp.split(",") if m]
     args.notebooks = args.notebooks or sorted(glob.glob(os.path.join(ROOT, "notebooks/*.ipynb")))
     return args
 
@@ -75,8 +89,11 @@ def machine() -> str:
     return f"{when}, {gpu}, torch {torch.__version__}, {os.cpu_count()} cores"
 
 
-def run_one(cmd: list[str], env: dict[str, str], limit: float) -> tuple[str, float, str]:
-    """('pass' | 'FAIL' | 'timeout', seconds, its output's last line)."""
+def run_one(
+    cmd: list[str], env: dict[str, str], limit: float, log: str | None = None
+) -> tuple[str, float, str]:
+    """('pass' | 'FAIL' | 'timeout', seconds, its output's last line); the whole output goes
+    to `log` if given."""
     start = time.monotonic()
     try:
         done = subprocess.run(
@@ -84,9 +101,40 @@ def run_one(cmd: list[str], env: dict[str, str], limit: float) -> tuple[str, flo
         )
     except subprocess.TimeoutExpired as exc:
         out = exc.stdout.decode() if isinstance(exc.stdout, bytes) else exc.stdout or ""
+        if log:
+            with open(log, "w") as f:
+                f.write(out)
         return "timeout", time.monotonic() - start, (out.strip().splitlines() or [""])[-1]
+    if log:
+        with open(log, "w") as f:
+            f.write(done.stdout + done.stderr)
     lines = (done.stdout + done.stderr).strip().splitlines()
     return ("pass" if done.returncode == 0 else "FAIL"), time.monotonic() - start, lines[-1:]
+
+
+def ddp_row(model: str, args: argparse.Namespace, env: dict[str, str]) -> tuple:
+    """One table row: the DDP step's lab / torchrun ratio for `model` ('pass' within target,
+    'over' past it); its whole output goes to OUT/ddp_MODEL.log."""
+    out = os.path.join(args.out, f"ddp_{model}.json")
+    cmd = [sys.executable, "-m", "labkit.bench", "--ddp", "--device", args.device]
+    cmd += ["--model", model, "--json", out]
+    start = time.monotonic()
+    try:
+        done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=240)
+        text, code = done.stdout + done.stderr, done.returncode
+    except subprocess.TimeoutExpired as exc:
+        text, code = str(exc.stdout or "") + str(exc.stderr or ""), None
+    with open(os.path.join(args.out, f"ddp_{model}.log"), "w") as f:
+        f.write(text)
+    lines = text.strip().splitlines()[-1:]
+    verdict = "timeout" if code is None else "FAIL"
+    if code == 0:
+        import json
+
+        with open(out) as f:
+            ratio = json.load(f)["ratio"]
+        verdict = "pass" if ratio <= DDP_TARGET else "over"
+    return (f"DDP step lab/torchrun ({model})", verdict, time.monotonic() - start, lines)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -111,9 +159,12 @@ def main(argv: list[str] | None = None) -> int:
         for cmd in nb_cmd.values():
             print(f"notebook: {' '.join(cmd)}  (limit {args.nb_timeout:g} s)")
         print("staging cost:", " ".join(staging))
+        for model in args.ddp:
+            print(f"ddp step: python -m labkit.bench --ddp --device {args.device} --model {model}")
         return 0
     t0 = time.monotonic()
-    deadline = t0 + args.budget
+    ddp_rows = [ddp_row(model, args, env) for model in args.ddp]  # on a quiet machine, first
+    deadline = time.monotonic() + args.budget
     results: dict[str, tuple[str, float, object]] = {}
 
     def notebook(nb: str) -> None:
@@ -124,10 +175,16 @@ def main(argv: list[str] | None = None) -> int:
         results[nb] = run_one(nb_cmd[nb], env, min(args.nb_timeout, left))
 
     with ThreadPoolExecutor(args.jobs + 1) as pool:
-        tests = None if args.no_pytest else pool.submit(run_one, pytest, env, args.budget)
+        tests = (
+            None
+            if args.no_pytest
+            else pool.submit(
+                run_one, pytest, env, args.budget, os.path.join(args.out, "pytest.log")
+            )
+        )
         list(pool.map(notebook, args.notebooks))  # JOBS at a time beside the tests
         rows = [("pytest -m gpu", *tests.result())] if tests else []
-    rows += [(os.path.basename(nb), *results[nb]) for nb in args.notebooks]
+    rows += [(os.path.basename(nb), *results[nb]) for nb in args.notebooks] + ddp_rows
     with open(errors, "w") as out:
         for i, _ in enumerate(args.notebooks):
             part = f"{errors}.{i}"
@@ -142,6 +199,7 @@ def main(argv: list[str] | None = None) -> int:
         text = last[0] if isinstance(last, list) and last else (last or "")
         table.append(f"{name:<42} {verdict:<8} {seconds:>8.1f}  {str(text)[:90]}")
     table.append(f"{passed} of {len(rows)} passed in {time.monotonic() - t0:.0f} s")
+    table += [last[0] for _, _, _, last in ddp_rows if last]  # each ratio's line in full
     cost = subprocess.run(staging, env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     table += (cost.stdout + cost.stderr[-2000:]).strip().splitlines()
     print("\n".join(table), flush=True)

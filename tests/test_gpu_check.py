@@ -19,7 +19,11 @@ def _run(*args: str, timeout: int = 240) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
     env.pop("OUT", None)
     return subprocess.run(
-        [sys.executable, SCRIPT, *args], capture_output=True, text=True, env=env, timeout=timeout
+        [sys.executable, SCRIPT, "--no-install", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=timeout,
     )
 
 

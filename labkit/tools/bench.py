@@ -102,7 +102,9 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--ranks", type=int, default=4, help="ranks of the main table (default 4)")
+    p.add_argument(
+        "--ranks", type=int, default=None, help="ranks of the main table (default 4; --ddp: 1)"
+    )
     p.add_argument("--scale", default="2,4,8,16", help="rank counts of the scaling table")
     p.add_argument("--cells", type=int, default=1000, help="cells for the kernel's RSS growth")
     p.add_argument("--quick", action="store_true", help="fewer repeats, ranks 2 and 4 (~1 min)")
@@ -112,8 +114,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--breakdown", action="store_true", help="only the time breakdown's cost (no ranks)"
     )
+    p.add_argument(
+        "--ddp",
+        action="store_true",
+        help="only a DDP step in a lab against torchrun (labkit.tools.bench_ddp)",
+    )
+    p.add_argument("--device", default="cpu", help="--ddp: cpu or cuda (default cpu)")
+    p.add_argument("--model", default="bench", help="--ddp: bench or issue (default bench)")
+    p.add_argument("--rounds", type=int, default=3, help="--ddp: alternating rounds (3)")
+    p.add_argument("--steps", type=int, default=60, help="--ddp: timed steps a round (60)")
     p.add_argument("--json")
     args = p.parse_args(argv)
+    if args.ddp:
+        from labkit.tools import bench_ddp
+
+        res = bench_ddp.ddp_ratio(args.ranks or 1, args.device, args.model, args.rounds, args.steps)
+        print(bench_ddp.line(res), flush=True)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(res, f, indent=1)
+        return 0
+    args.ranks = args.ranks or 4
     if args.breakdown:
         print(_breakdown_line(breakdown_cost(args.ranks)))
         return 0
