@@ -101,6 +101,16 @@ _until(w.is_completed, "all_to_all never completed")  # True: the outputs are th
 out["is_completed"] = [t.clone() for t in outs3]
 w.wait()
 
+# a receive buffer that is a leaf requiring grad (torch.distributed.pipelining's): torch's
+# recv writes it outside autograd, and so must the staged copy; a sent tensor that requires
+# grad is sent as data
+leaf = torch.zeros(2, requires_grad=True)
+sent = torch.full((2,), 5.0 + rank, requires_grad=True)
+w_leaf = [dist.irecv(leaf, peer), dist.isend(sent, peer)]
+for w in w_leaf:
+    w.wait()
+out["leaf"] = (leaf.detach().clone(), leaf.requires_grad, leaf.is_leaf, leaf.grad_fn)
+
 # an error names the rank and the staging
 try:
     dist.send(torch.zeros(1), rank)  # to itself: torch refuses it
@@ -121,6 +131,7 @@ def _reference(rank: int) -> dict:
         "batch": torch.full((3,), float(peer)),
         "all_to_all": [torch.full((2,), 10.0 * j + rank) for j in range(N)],
         "is_completed": [torch.full((2,), 10.0 * j + rank) for j in range(N)],
+        "leaf": (torch.full((2,), 5.0 + peer), True, True, None),
     }
 
 

@@ -83,14 +83,14 @@ def _tensors(obj: Any) -> list[Any]:
     return list(obj) if isinstance(obj, (list, tuple)) else [obj]
 
 
-def _staged(t: Any) -> bool:
+def staged(t: Any) -> bool:
     if _device_types == _CUDA:  # the usual case, without making a torch.device per call
         return getattr(t, "is_cuda", False) is True
     device = getattr(t, "device", None)
     return getattr(device, "type", None) in _device_types
 
 
-def _plain_gloo(group: Any) -> bool:
+def plain_gloo(group: Any) -> bool:
     import torch.distributed as dist
     import torch.distributed.distributed_c10d as c10d
 
@@ -110,15 +110,15 @@ def plan(op: str, args: tuple, kwargs: dict) -> Staging | None:
     sent_at, received_at, group_pos = spec
     sent = _tensors(_arg(args, kwargs, sent_at))
     received = _tensors(_arg(args, kwargs, received_at))
-    if not any(_staged(t) for t in sent + received):
+    if not any(staged(t) for t in sent + received):
         return None
     group = args[group_pos] if len(args) > group_pos else kwargs.get("group")
-    if not _plain_gloo(group):
+    if not plain_gloo(group):
         return None
     return Staging(op, args, kwargs, sent, received)
 
 
-def _rank() -> int:
+def rank() -> int:
     import torch.distributed as dist
 
     try:
@@ -150,10 +150,10 @@ class Staging:
     def bind(self, fn: Any) -> Any:
         """`fn` (torch's function) called on host copies in place of the user's tensors."""
 
-        def staged(*args: Any, **kwargs: Any) -> Any:
+        def on_host(*args: Any, **kwargs: Any) -> Any:
             return self._call(fn, args, kwargs)
 
-        return staged
+        return on_host
 
     def _host_args(self) -> tuple[tuple, dict]:
         import torch
@@ -170,13 +170,14 @@ class Staging:
 
         if sent_at is not None and self.sent:
             since = time.perf_counter()
-            host = [t.to("cpu", copy=True) if _staged(t) else t for t in self.sent]
+            # detached: the copy is data for the transport, not a step autograd should record
+            host = [t.detach().to("cpu", copy=True) if staged(t) else t for t in self.sent]
             self._note("d2h", since)
             one = not isinstance(_arg(self.args, self.kwargs, sent_at), (list, tuple))
             replace(sent_at, host[0] if one else host)
         if received_at is not None and self.received:
             self.host_received = [
-                torch.empty(t.shape, dtype=t.dtype, device="cpu") if _staged(t) else t
+                torch.empty(t.shape, dtype=t.dtype, device="cpu") if staged(t) else t
                 for t in self.received
             ]
             one = not isinstance(_arg(self.args, self.kwargs, received_at), (list, tuple))
@@ -206,20 +207,25 @@ class Staging:
         if self._finished:
             return
         self._finished = True
+        import torch
+
         since = time.perf_counter()
         copied = False
         for user, host in zip(self.received, self.host_received):
             if host is not user:
-                user.copy_(host)
+                # as torch's recv writes its buffer: outside autograd, so a leaf that requires
+                # grad (torch.distributed.pipelining's receive buffers) can be written
+                with torch.no_grad():
+                    user.copy_(host)
                 copied = True
         if copied:
             self._note("h2d", since)
         self.host_received = []
 
     def explain(self) -> str:
-        devices = sorted({str(t.device) for t in self.sent + self.received if _staged(t)})
+        devices = sorted({str(t.device) for t in self.sent + self.received if staged(t)})
         return (
-            f"rank {_rank()}: labkit moved this dist.{self.op}'s {', '.join(devices)} tensors "
+            f"rank {rank()}: labkit moved this dist.{self.op}'s {', '.join(devices)} tensors "
             "through host memory, since its group is on gloo, whose point-to-point and list "
             "all_to_all move host memory only (labkit.rank.host_staging)"
         )
