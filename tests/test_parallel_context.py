@@ -264,3 +264,21 @@ def test_bad_layouts() -> None:
         positions(8, 2, 0, "striped")
     with pytest.raises(ValueError, match="seq_len must be a multiple of 4 for the zigzag"):
         positions(6, 2, 0, "zigzag")
+
+
+def test_live_peak_counts_the_device_asked_for():
+    """Two 4 KiB buffers alive at once, then one: 2 on the CPU (the device they are on), the same
+    with no device named; an unknown device type is refused."""
+
+    def two_then_one():
+        a = torch.empty(1024)
+        b = torch.empty(1024)
+        del a
+        c = torch.empty(1024)
+        return b, c
+
+    assert live_peak(two_then_one, 4096) == 2
+    assert live_peak(two_then_one, 4096, "cpu") == 2
+    assert live_peak(two_then_one, 4096, torch.device("cpu")) == 2
+    with pytest.raises(ValueError, match="device must be one of"):
+        live_peak(two_then_one, 4096, "meta")

@@ -51,7 +51,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -73,6 +73,8 @@ __all__ = [
 ]
 
 LAYOUTS = ("contiguous", "zigzag")
+# the profiler's "Device Type" of a memory event: c10::DeviceType's numbers
+DEVICE_TYPES = {"cpu": 0, "cuda": 1}
 Group = dist.ProcessGroup | None
 
 
@@ -296,14 +298,25 @@ def ring_bytes(seq_len: int, world_size: int, d_k: int, d_v: int, element_size: 
     return (world_size - 1) * (seq_len // world_size) * (d_k + d_v) * element_size
 
 
-def live_peak(run: Callable[[], object], nbytes: int) -> int:
+def live_peak(run: Callable[[], object], nbytes: int, device: Any = None) -> int:
     """The most allocations of exactly `nbytes` bytes alive at once while `run()` runs, read
-    from torch's profiler (`profile_memory`: every allocation and free, with its address), not
-    from the code that allocates. Runs where it is called; pick `nbytes` that only the buffers
-    of interest have."""
+    from torch's profiler (`profile_memory`: every allocation and free, with its address and
+    device), not from the code that allocates. Runs where it is called; pick `nbytes` that only
+    the buffers of interest have. `device` (a torch.device or its name) counts only that
+    device's allocations: on ranks sharing a GPU over gloo, a point-to-point message also has a
+    host copy of the same size (labkit.rank.host_staging), which is not the GPU's memory."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    want = None
+    if device is not None:
+        device = torch.device(device)
+        if device.type not in DEVICE_TYPES:
+            raise ValueError(f"device must be one of {sorted(DEVICE_TYPES)}, got {device}")
+        want = DEVICE_TYPES[device.type], device.index
+    activities = [ProfilerActivity.CPU]
+    if want is not None and device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities, profile_memory=True) as prof:
         run()
     fd, path = tempfile.mkstemp(suffix=".json")
     os.close(fd)
@@ -313,8 +326,16 @@ def live_peak(run: Callable[[], object], nbytes: int) -> int:
             events = json.load(f)["traceEvents"]
     finally:
         os.remove(path)
+
+    def mine(e: dict) -> bool:
+        if want is None:
+            return True
+        kind, index = want
+        a = e["args"]
+        return a.get("Device Type") == kind and (index is None or a.get("Device Id") == index)
+
     memory = sorted(
-        (e for e in events if e.get("name") == "[memory]"),
+        (e for e in events if e.get("name") == "[memory]" and mine(e)),
         key=lambda e: (e["ts"], e["args"].get("Ev Idx", 0)),
     )
     live: set[int] = set()
