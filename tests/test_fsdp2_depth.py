@@ -269,3 +269,17 @@ def test_step_counts_solution_and_stub() -> None:
         return {"all_gather": gathers * num_units, "reduce_scatter": num_units, "all_reduce": 0}
 
     assert not fc.check_step_counts(stub)  # the notebook's stub must not pass
+
+
+def test_make_stack_draws_its_weights_on_the_host_whatever_the_device():
+    """Weights drawn on a GPU come from the GPU's generator, another sequence than the kernel's
+    CPU one for the same seed; make_stack draws on the host and moves them. Seen from here: on
+    the meta device (no values, no generator) the host's generator still advances exactly as
+    for a CPU stack."""
+    from labkit.parallel.fsdp2_depth import make_stack
+
+    make_stack(2, 8)
+    after_cpu = torch.randn(1)
+    meta = make_stack(2, 8, device="meta")
+    assert torch.equal(torch.randn(1), after_cpu)
+    assert all(p.device.type == "meta" for p in meta.parameters())
