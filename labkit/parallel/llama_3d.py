@@ -62,11 +62,24 @@ class Block(nn.Module):
         return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
 
 
-class Stage(nn.ModuleDict):
-    """A pipeline stage: its units run in order."""
+class Stage(nn.Module):
+    """A pipeline stage: its units run in order, named as a ModuleDict would name them.
+
+    A Module with a forward rather than an `nn.ModuleDict`: torch 2.11's `fully_shard` refuses
+    a ModuleDict or ModuleList ("containers that do not implement forward"), even one that
+    defines forward (seen on an H200 with torch 2.11; 2.13 no longer refuses it)."""
+
+    def __setitem__(self, name: str, module: nn.Module) -> None:
+        self.add_module(name, module)
+
+    def __getitem__(self, name: str) -> nn.Module:
+        return self._modules[name]
+
+    def items(self):  # noqa: ANN201 - (name, unit) in order
+        return self._modules.items()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for part in self.values():
+        for part in self._modules.values():
             x = part(x)
         return x
 
