@@ -196,3 +196,43 @@ def test_a_dump_between_cells_waits_for_gloo_to_retire_what_already_returned(mon
     start = time.monotonic()
     assert on_rank.entries(last=1, settle=0.05)[0]["state"] == "scheduled"
     assert 0.05 <= time.monotonic() - start < 5
+
+
+def test_a_rank_with_gloo_and_nccl_groups_reads_both_recorders(monkeypatch):
+    """`cpu:gloo,cuda:nccl`: NCCL's groups keep their own recorder (dumped by
+    `_dump_nccl_trace`; torch has it only where NCCL is built). DDP's buckets on CUDA are there,
+    so both dumps are read, their entries merged oldest first and their groups' status kept."""
+    import json
+    import pickle
+
+    monkeypatch.setenv(on_rank.ENV, "200")
+    gloo = {
+        "entries": [
+            {"collective_seq_id": 1, "profiling_name": "gloo:all_reduce", "time_created_ns": 10},
+            {"collective_seq_id": 2, "profiling_name": "gloo:broadcast", "time_created_ns": 30},
+        ],
+        "pg_status": {"0": {"last_enqueued_collective": 2}},
+    }
+    nccl = {
+        "entries": [
+            {"collective_seq_id": 1, "profiling_name": "nccl:all_reduce", "time_created_ns": 20}
+        ],
+        "pg_status": {"1": {"last_enqueued_collective": 1}},
+    }
+    fakes = (
+        lambda c, s, a: pickle.dumps(gloo),
+        lambda c, a: json.dumps(gloo),
+        lambda c, s, a: pickle.dumps(nccl),
+        lambda c, a: json.dumps(nccl),
+    )
+    monkeypatch.setattr(on_rank, "_dumps", lambda: fakes)
+    names = ["gloo:all_reduce", "nccl:all_reduce", "gloo:broadcast"]
+    assert [e["profiling_name"] for e in on_rank.raw_entries()] == names
+    assert [e["op"] for e in on_rank.entries(settle=0)] == ["all_reduce", "all_reduce", "broadcast"]
+    assert on_rank.enqueued() == {
+        "0": {"last_enqueued_collective": 2},
+        "1": {"last_enqueued_collective": 1},
+    }
+    # a torch without NCCL: gloo's recorder alone, as before
+    monkeypatch.setattr(on_rank, "_dumps", lambda: (*fakes[:2], None, None))
+    assert [e["profiling_name"] for e in on_rank.raw_entries()] == names[::2]

@@ -51,8 +51,10 @@ def test_a_gpu_per_rank_gets_nccl_for_cuda_and_gloo_for_cpu() -> None:
 
 
 @pytest.mark.timeout(180)
-def test_more_ranks_than_gpus_stay_on_the_cpu_unless_cuda_is_asked_for() -> None:
+def test_more_ranks_than_gpus_stay_on_the_cpu_unless_cuda_is_asked_for(monkeypatch) -> None:
     import labkit
+
+    monkeypatch.delenv("LABKIT_DEVICE", raising=False)  # the GPU check sets it for notebooks
 
     n = _gpus() + 1
     lab = labkit.Lab(n)
@@ -129,5 +131,84 @@ def test_zero1_steps_on_the_gpu_as_one_process_adam_does() -> None:
 
         results = lab.run(body, display=False).values_by_rank
         assert all(err < 1e-5 and kind == "cuda" for err, kind in results.values()), results
+    finally:
+        lab.stop()
+
+
+DDP_SRC = """
+def ddp_on_gpu(device):
+    import torch, torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Linear(512, 512) for _ in range(3)]).to(device)
+    ddp = DDP(model, device_ids=[device.index] if device.index is not None else None,
+              bucket_cap_mb=1)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.1)
+    for _ in range(2):
+        opt.zero_grad()
+        ddp(torch.randn(8, 512, device=device)).square().mean().backward()
+        opt.step()
+    torch.cuda.synchronize(device)
+    return [h.__name__ for h, _ in ddp._comm_hooks], next(ddp.parameters()).device.type
+"""
+
+
+@pytest.mark.timeout(180)
+def test_ddp_over_nccl_keeps_no_hook_and_leaves_one_record_per_bucket() -> None:
+    """DDP on the GPU in a 1-GPU lab (NCCL): labkit adds no comm hook, and the Flight Recorder
+    gives one all_reduce record per bucket: one of everything, then one per layer (the layout
+    DDP rebuilds after its first step; tests/test_ddp_observed.py on CPU)."""
+    import labkit
+    from labkit.rank import ddp_tracing
+    from labkit.wire.records import CommRecord
+
+    layer = (512 * 512 + 512) * 4
+    lab = labkit.Lab(1, device="cuda")
+    try:
+        if "nccl" not in lab.choice.backend:
+            pytest.skip(f"no NCCL here ({lab.choice.backend})")
+        lab.run(DDP_SRC).raise_for_errors()
+        res = lab.run("ddp_on_gpu(device)")
+        res.raise_for_errors()
+        assert res[0].value == ([], "cuda")
+        buckets = [
+            r.bytes
+            for r in lab.trace()
+            if isinstance(r, CommRecord)
+            and r.op == "all_reduce"
+            and r.recorded_by == ddp_tracing.BY
+        ]
+        assert buckets == [3 * layer] + [layer] * 3, buckets
+    finally:
+        lab.stop()
+
+
+@pytest.mark.timeout(180)
+def test_ranks_sharing_the_gpu_report_its_memory_as_the_driver_counts_it() -> None:
+    """Two ranks on one GPU each hold 64 MiB more after a cell: `%lab status`'s numbers grow by
+    exactly that (the caching allocator takes 64 MiB as asked: a multiple of 2 MiB), and the
+    card's total is what this process's driver query says."""
+    import time
+
+    import labkit
+
+    mib64 = 64 * 2**20
+    lab = labkit.Lab(2, device="cuda")
+    try:
+
+        def memory() -> dict:
+            time.sleep(2.5)  # the heartbeat carries the numbers; let one arrive
+            return {r["rank"]: r.get("cuda_memory") for r in lab.status_report()["ranks"]}
+
+        lab.run("x = torch.ones(1, device=device); torch.cuda.synchronize()").raise_for_errors()
+        before = memory()
+        lab.run("big = torch.empty(16 * 2**20, device=device); torch.cuda.synchronize()")
+        after = memory()
+        _, total = torch.cuda.mem_get_info(0)
+        for r in range(2):
+            assert before[r] and after[r], (before, after)
+            assert after[r]["allocated"] - before[r]["allocated"] == mib64, (before, after)
+            assert after[r]["peak"] >= after[r]["allocated"] and after[r]["total"] == total
     finally:
         lab.stop()

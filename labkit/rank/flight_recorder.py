@@ -54,8 +54,27 @@ def _dumps() -> Any:
     return found
 
 
+def _merged(dumps: list[dict[str, Any]]) -> dict[str, Any]:
+    """One dump from the recorders' dumps (gloo's, then NCCL's where there is one): their
+    entries oldest first by creation time, their groups' status side by side."""
+    if len(dumps) == 1:
+        return dumps[0]
+    entries = [e for d in dumps for e in d.get("entries", [])]
+    entries.sort(key=lambda e: e.get("time_created_ns") or 0)
+    status: dict[str, Any] = {}
+    for d in dumps:
+        status.update(d.get("pg_status") or {})
+    return {**dumps[0], "entries": entries, "pg_status": status}
+
+
 def _dump() -> dict[str, Any]:
-    return json.loads(_dumps()[1](True, False))
+    found = _dumps()
+    return _merged([json.loads(f(True, False)) for f in found[1::2] if f is not None])
+
+
+def _pickled(collectives: bool) -> dict[str, Any]:
+    found = _dumps()
+    return _merged([pickle.loads(f(collectives, False, False)) for f in found[0::2] if f])
 
 
 def enqueued() -> dict[str, Any] | None:
@@ -65,7 +84,7 @@ def enqueued() -> dict[str, Any] | None:
     if os.environ.get(ENV, "0") in ("", "0"):
         return None
     try:
-        status = pickle.loads(_dumps()[0](False, False, False)).get("pg_status")
+        status = _pickled(False).get("pg_status")
     except Exception:  # noqa: BLE001 - a private API: when it fails, the caller reads entries
         return None
     if not status:
@@ -83,7 +102,7 @@ def raw_entries() -> list[dict[str, Any]] | str:
     if os.environ.get(ENV, "0") in ("", "0"):
         return f"the Flight Recorder is off on this rank ({ENV} is not set, or 0)"
     try:
-        return list(pickle.loads(_dumps()[0](True, False, False)).get("entries", []))
+        return list(_pickled(True).get("entries", []))
     except Exception as exc:  # noqa: BLE001 - a private API: say what went wrong, never fail
         return f"the Flight Recorder could not be read: {type(exc).__name__}: {exc}"
 

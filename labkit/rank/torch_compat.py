@@ -58,9 +58,13 @@ RENAMED_FROM = {old: new for new, old in RENAMES.items()}
 
 
 def _flight_recorder() -> Any:
+    """(pickled dump, JSON dump) of the recorder gloo's groups write, then of NCCL's (None, None
+    where torch has no NCCL): NCCL's groups keep their own recorder (CUDA events), dumped by
+    `_dump_nccl_trace`; a rank with `cpu:gloo,cuda:nccl` has entries in both."""
     from torch._C import _distributed_c10d as c
 
-    return c._dump_fr_trace, c._dump_fr_trace_json
+    nccl = getattr(c, "_dump_nccl_trace", None), getattr(c, "_dump_nccl_trace_json", None)
+    return c._dump_fr_trace, c._dump_fr_trace_json, *nccl
 
 
 def _group_registry() -> Any:
