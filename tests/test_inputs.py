@@ -79,9 +79,10 @@ def test_choose_for_every_case(n, backend, device, gpus, want):
 def test_choose_says_why_ranks_share_or_stay_on_the_cpu():
     shared = choose(4, "auto", "cuda", facts(1))
     assert "4 ranks sharing 1 GPU(s)" in shared.reason
-    assert "only broadcast and all_reduce on CUDA tensors" in shared.reason
+    assert "through host memory" in shared.reason and "point-to-point" in shared.reason
     stay = choose(4, "auto", "auto", facts(1))
     assert "NCCL needs one per rank" in stay.reason and "device='cuda'" in stay.reason
+    assert "not yet passed whole" in stay.reason
     assert "one GPU per rank" in choose(2, "auto", "auto", facts(2)).reason
     assert "GPU" not in choose(4, "auto", "auto", facts(0)).reason
     # a GPU per rank but a torch without NCCL: the CPU, not CUDA tensors gloo cannot send

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from labkit.rank import torch_compat
+from labkit.rank import funcol_staging, torch_compat
 from labkit.rank.trace_state import (
     STATE,
     add_record,
@@ -97,12 +97,16 @@ def _wrap_funcol(funcol: Any, name: str, fn: Any) -> Any:
         add_record(rec)
         event = cuda_event(tensors)
         STATE.inside = True
+        funcol_staging.take()
         try:
             out = fn(*args, **kwargs)
         finally:
             STATE.inside = False
             issued(rec)
             rec.end = time.time()
+        moved = funcol_staging.take()  # run on host copies (gloo, CUDA): the record says so
+        if moved is not None:
+            rec.staged, rec.stage_time = moved
         for res in out if isinstance(out, list) else [out]:
             elem = getattr(res, "elem", None)  # an AsyncCollectiveTensor: waited on later
             if elem is not None and not getattr(res, "completed", True):
@@ -147,6 +151,7 @@ def _install_funcol(funcol: Any) -> None:
     if not torch_compat.available("functional_collectives"):
         _say_missing()
         return
+    funcol_staging.install(funcol)  # first: the tracer then wraps the staged functions
     for name in FUNCOL_OPS:
         fn = getattr(funcol, name, None)
         if fn is not None and not hasattr(fn, "__labkit_traced__"):

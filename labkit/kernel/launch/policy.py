@@ -6,11 +6,15 @@ The rule (`choose`, one for forked and attached ranks), per host of `local` rank
 - a GPU per rank (`gpus >= local`): rank r on `cuda:(local_rank % gpus)`, backend
   "cpu:gloo,cuda:nccl": NCCL for CUDA tensors, gloo for CPU tensors and object collectives
   (the exercise checkers gather CPU tensors and Python objects);
-- more ranks than GPUs (4 ranks on 1 GPU in a workshop): NCCL refuses two ranks on one GPU, and
-  gloo runs only broadcast and all_reduce on CUDA tensors (torch.distributed's "Backends"
-  table: no send/recv, all_gather, gather, scatter, reduce_scatter, all_to_all), so by default
-  the ranks stay on the CPU with gloo and every notebook works; `device="cuda"` puts them on the
-  shared GPU(s) anyway, with gloo, and the reason says which ops that leaves.
+- more ranks than GPUs (4 ranks on 1 GPU in a workshop): NCCL refuses two ranks on one GPU, so
+  the ranks would talk over gloo. On CUDA tensors gloo runs most collectives (an H200 with
+  torch 2.11, 2026-11-27: all_reduce, broadcast, reduce, all_gather in both forms, gather,
+  scatter, reduce_scatter in both forms, all_to_all_single) but crashes the rank on
+  point-to-point and on the functional all-gather DTensor uses, and refuses the list
+  all_to_all; labkit moves those through host memory (labkit.rank.host_staging,
+  labkit.rank.funcol_staging). The curriculum has not yet passed whole that way on a GPU
+  (docs/gpu.md), so by default the ranks stay on the CPU with gloo, where every notebook passes;
+  `device="cuda"` puts them on the shared GPU(s).
 """
 
 from __future__ import annotations
@@ -128,15 +132,17 @@ def _reason(
         where = share
         if backend == "gloo":
             where += (
-                "; gloo runs only broadcast and all_reduce on CUDA tensors (no send/recv, "
-                "all_gather, scatter...): move tensors to the CPU for the others"
+                "; over gloo, labkit moves point-to-point, the list all_to_all and the "
+                "functional all-gather through host memory (gloo crashes or refuses them on "
+                "CUDA tensors)"
             )
     else:
         where = f"{world_size} CPU ranks on {facts.get('cpus')} cores"
         if gpus:
             why = "NCCL needs one per rank" if local > gpus else "this torch has no NCCL"
             where += (
-                f"; {gpus} GPU(s) per host for {local} ranks: {why}, and gloo lacks most ops "
-                "on CUDA tensors (device='cuda' puts the ranks on the GPUs anyway)"
+                f"; {gpus} GPU(s) per host for {local} ranks: {why}; the curriculum has not "
+                "yet passed whole on ranks sharing a GPU over gloo (docs/gpu.md): "
+                "device='cuda' puts them there"
             )
     return f"{backend} on {device}: {where}"
