@@ -231,3 +231,30 @@ def test_staging_cost_script_times_both_copies_per_mib(capsys):
     assert all(r["d2h_ms_per_mb"] > 0 and r["h2d_ms_per_mb"] > 0 for r in rows)
     assert module.main(["--sizes-mb", "0.5", "--repeat", "1"]) == 0
     assert "D2H ms/MiB" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(120)
+def test_the_environment_switch_stages_cpu_tensors_in_every_rank(monkeypatch):
+    """LABKIT_STAGE_DEVICE_TYPES=cpu (a developers' switch) makes a lab's ranks stage CPU tensors
+    as they stage CUDA ones, so the curriculum's staged paths run on CPU ranks."""
+    from labkit.kernel.launch import spawn
+
+    monkeypatch.setenv(host_staging.ENV, "cpu")
+    with spawn._spare_lock:  # a spare fork server started earlier has the old environment
+        stale, spawn._spare = spawn._spare, None
+    if stale is not None:
+        stale.close()
+    with labkit.Lab(N, device="cpu") as lab:
+        got = lab.run(
+            "from labkit.rank import host_staging\n"
+            "t = torch.full((2,), float(rank))\n"
+            "dist.send(t, 1) if rank == 0 else dist.recv(t, 0)\n"
+            "sorted(host_staging.device_types()), t.tolist()"
+        )
+        got.raise_for_errors()
+        records = [r for r in lab.trace() if r.kind == "comm" and r.op in ("send", "recv")]
+    assert {r: got[r].value for r in range(N)} == {
+        0: (["cpu"], [0.0, 0.0]),
+        1: (["cpu"], [0.0, 0.0]),
+    }
+    assert sorted(r.staged for r in records) == ["d2h", "h2d"]

@@ -32,6 +32,7 @@ the copies, results and async semantics are checked on CPU ranks (tests/test_hos
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from typing import Any
@@ -47,6 +48,9 @@ OPS: dict[str, tuple[tuple[int, str] | None, tuple[int, str] | None, int]] = {
 ASYNC = frozenset({"isend", "irecv"})
 _CUDA = frozenset({"cuda"})
 _device_types: frozenset[str] = _CUDA
+# a developers' switch: "cpu" stages CPU tensors as CUDA ones are, in every rank of a lab started
+# with it set (the curriculum's staged paths run on CPU ranks: docs/gpu.md)
+ENV = "LABKIT_STAGE_DEVICE_TYPES"
 _inside = threading.local()  # torch's `send` calls `isend`: the host copy is not staged again
 
 
@@ -68,6 +72,10 @@ def set_device_types(types: Any) -> frozenset[str]:
         )
     previous, _device_types = _device_types, types
     return previous
+
+
+if os.environ.get(ENV):
+    set_device_types(t.strip() for t in os.environ[ENV].split(",") if t.strip())
 
 
 def _arg(args: tuple, kwargs: dict, where: tuple[int, str] | None) -> Any:
