@@ -198,41 +198,92 @@ def test_a_dump_between_cells_waits_for_gloo_to_retire_what_already_returned(mon
     assert 0.05 <= time.monotonic() - start < 5
 
 
-def test_a_rank_with_gloo_and_nccl_groups_reads_both_recorders(monkeypatch):
-    """`cpu:gloo,cuda:nccl`: NCCL's groups keep their own recorder (dumped by
-    `_dump_nccl_trace`; torch has it only where NCCL is built). DDP's buckets on CUDA are there,
-    so both dumps are read, their entries merged oldest first and their groups' status kept."""
+def _two_recorders(monkeypatch, gloo: dict, nccl: dict) -> None:
     import json
     import pickle
 
     monkeypatch.setenv(on_rank.ENV, "200")
+    monkeypatch.setattr(
+        on_rank,
+        "_dumps",
+        lambda: (
+            lambda c, s, a: pickle.dumps(gloo),
+            lambda c, a: json.dumps(gloo),
+            lambda c, s, a: pickle.dumps(nccl),
+            lambda c, a: json.dumps(nccl),
+        ),
+    )
+
+
+def _fr(record_id: int, name: str, t_ns: int, seq: int, group: str = "0") -> dict:
+    return {
+        "record_id": record_id,
+        "collective_seq_id": seq,
+        "profiling_name": name,
+        "time_created_ns": t_ns,
+        "process_group": [group, "default_pg"],
+        "input_sizes": [[4]],
+        "input_dtypes": ["Float"],
+        "output_sizes": [[4]],
+        "output_dtypes": ["Float"],
+        "retired": True,
+    }
+
+
+def test_a_rank_with_gloo_and_nccl_groups_reads_both_recorders(monkeypatch):
+    """`cpu:gloo,cuda:nccl`: NCCL's groups keep their own recorder (dumped by
+    `_dump_nccl_trace`; torch has it only where NCCL is built). DDP's buckets on CUDA are there,
+    so both dumps are read, their entries merged oldest first and their groups' status kept. The
+    default group has both backends: the same name in both recorders, with each backend's own
+    sequence numbers, so NCCL's entries and status are kept apart ("0@nccl")."""
     gloo = {
-        "entries": [
-            {"collective_seq_id": 1, "profiling_name": "gloo:all_reduce", "time_created_ns": 10},
-            {"collective_seq_id": 2, "profiling_name": "gloo:broadcast", "time_created_ns": 30},
-        ],
+        "entries": [_fr(0, "gloo:all_reduce", 10, 1), _fr(1, "gloo:broadcast", 30, 2)],
         "pg_status": {"0": {"last_enqueued_collective": 2}},
     }
     nccl = {
-        "entries": [
-            {"collective_seq_id": 1, "profiling_name": "nccl:all_reduce", "time_created_ns": 20}
-        ],
-        "pg_status": {"1": {"last_enqueued_collective": 1}},
+        "entries": [_fr(0, "nccl:all_reduce", 20, 1)],
+        "pg_status": {"0": {"last_enqueued_collective": 1}},
     }
-    fakes = (
-        lambda c, s, a: pickle.dumps(gloo),
-        lambda c, a: json.dumps(gloo),
-        lambda c, s, a: pickle.dumps(nccl),
-        lambda c, a: json.dumps(nccl),
-    )
-    monkeypatch.setattr(on_rank, "_dumps", lambda: fakes)
+    _two_recorders(monkeypatch, gloo, nccl)
     names = ["gloo:all_reduce", "nccl:all_reduce", "gloo:broadcast"]
     assert [e["profiling_name"] for e in on_rank.raw_entries()] == names
-    assert [e["op"] for e in on_rank.entries(settle=0)] == ["all_reduce", "all_reduce", "broadcast"]
+    got = on_rank.entries(settle=0)
+    assert [e["op"] for e in got] == ["all_reduce", "all_reduce", "broadcast"]
+    # two collectives #1 of group "0", one per backend: the hang verdict must not match them
+    assert [(e["group_id"], e["seq"]) for e in got] == [("0", 1), ("0@nccl", 1), ("0", 2)]
     assert on_rank.enqueued() == {
         "0": {"last_enqueued_collective": 2},
-        "1": {"last_enqueued_collective": 1},
+        "0@nccl": {"last_enqueued_collective": 1},
     }
     # a torch without NCCL: gloo's recorder alone, as before
-    monkeypatch.setattr(on_rank, "_dumps", lambda: (*fakes[:2], None, None))
+    gloo_only = (*on_rank._dumps()[:2], None, None)
+    monkeypatch.setattr(on_rank, "_dumps", lambda: gloo_only)
     assert [e["profiling_name"] for e in on_rank.raw_entries()] == names[::2]
+
+
+def test_ddp_records_from_nccl_are_found_whatever_gloos_record_ids(monkeypatch):
+    """record_id counts per recorder: a cell that ends on a gloo collective (record_id 50) must
+    not hide the next cell's NCCL buckets (record_ids 1-3) from ddp_tracing.collect."""
+    from labkit.rank import ddp_tracing
+    from labkit.rank.trace_state import STATE
+
+    now = time.time_ns()
+    gloo = {"entries": [_fr(i, "gloo:broadcast", now - 10**9 + i, i + 1) for i in range(50)]}
+    nccl: dict = {"entries": []}
+    _two_recorders(monkeypatch, gloo, nccl)
+    monkeypatch.setattr(ddp_tracing, "_group_ranks", lambda: {"0": (0, 1)})
+    monkeypatch.setattr(on_rank, "enqueued", lambda: None)
+    monkeypatch.setattr(STATE, "enabled", True)
+    monkeypatch.setattr(STATE, "fr_last", {})
+    monkeypatch.setattr(STATE, "records", {})
+    monkeypatch.setattr(STATE, "seq", {})
+    ops = []
+    for cell, added in enumerate(([(0, "nccl")], [(1, "nccl"), (2, "nccl"), (3, "nccl")]), 1):
+        ddp_tracing.begin()
+        monkeypatch.setattr(STATE, "cell", cell)
+        for rid, _ in added:
+            nccl["entries"].append(_fr(rid, "nccl:all_reduce", time.time_ns(), rid + 1))
+        if cell == 1:  # the cell ends on a gloo collective
+            gloo["entries"].append(_fr(50, "gloo:all_gather", time.time_ns(), 51))
+        ops.append([r.op for r in ddp_tracing.collect()])
+    assert ops == [["all_reduce", "all_gather"], ["all_reduce"] * 3]

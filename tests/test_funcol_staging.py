@@ -109,3 +109,35 @@ def test_not_staged_off_gloo_or_for_other_device_types(monkeypatch):
     finally:
         host_staging.set_device_types(previous)
     assert len(calls) == 3
+
+
+def test_a_staged_function_calling_another_copies_once(monkeypatch):
+    """torch 2.13's all_gather_tensor calls all_gather_single, both wrapped: the inner call
+    gets the outer's host copy as it is (on a GPU it is on the host already; where CPU tensors
+    count as staged, as in the tests, it would be copied twice)."""
+    from labkit.rank import funcol_staging, host_staging
+
+    seen = {}
+
+    def inner(self, gather_dim, group, tag=""):
+        seen["inner"] = self
+        return self
+
+    wrapped_inner = funcol_staging.wrap(inner)
+
+    def outer(self, gather_dim, group, tag=""):
+        seen["outer"] = self
+        return wrapped_inner(self, gather_dim, group, tag)
+
+    staged = funcol_staging.wrap(outer)
+    previous = host_staging.set_device_types({"cpu"})
+    try:
+        monkeypatch.setattr(funcol_staging, "resolve_group", lambda g: object())
+        monkeypatch.setattr(host_staging, "plain_gloo", lambda g: True)
+        x = torch.ones(2)
+        out = staged(x, 0, [0])
+    finally:
+        host_staging.set_device_types(previous)
+    assert seen["outer"] is not x and seen["inner"] is seen["outer"]
+    assert torch.equal(out, x) and out is not x
+    assert funcol_staging.take()[0] == "d2h+h2d"

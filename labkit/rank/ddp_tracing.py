@@ -186,11 +186,18 @@ def collect() -> list[CommRecord]:
     groups = _group_ranks()
     if isinstance(raw, str) or groups is None:  # without groups, records would name none
         return []
-    fresh = [e for e in raw if e.get("record_id", -1) > STATE.fr_last]
+    # record_id counts per recorder (gloo's, NCCL's: flight_recorder.RECORDER), so does the cursor
+    recorder = flight_recorder.RECORDER
+    last = dict(STATE.fr_last)
+    fresh = [e for e in raw if e.get("record_id", -1) > last.get(e.get(recorder), -1)]
     if not fresh:
         return []
-    lost = fresh[0].get("record_id", 0) - STATE.fr_last - 1 if STATE.fr_last >= 0 else 0
-    STATE.fr_last = fresh[-1].get("record_id", STATE.fr_last)
+    lost = 0
+    for name in {e.get(recorder) for e in fresh}:
+        ids = [e.get("record_id", -1) for e in fresh if e.get(recorder) == name]
+        before = last.get(name, -1)
+        lost += min(ids) - before - 1 if before >= 0 else 0
+        STATE.fr_last[name] = max(ids)
     windows = sorted(STATE.windows)
     seen = _seen(windows, max((b - a for a, b, _ in windows), default=0.0))
     out = []

@@ -54,27 +54,44 @@ def _dumps() -> Any:
     return found
 
 
-def _merged(dumps: list[dict[str, Any]]) -> dict[str, Any]:
-    """One dump from the recorders' dumps (gloo's, then NCCL's where there is one): their
-    entries oldest first by creation time, their groups' status side by side."""
-    if len(dumps) == 1:
-        return dumps[0]
-    entries = [e for d in dumps for e in d.get("entries", [])]
-    entries.sort(key=lambda e: e.get("time_created_ns") or 0)
+# the recorders a rank reads, in torch_compat's order: gloo's (every torch), NCCL's (CUDA builds)
+RECORDERS = ("gloo", "nccl")
+RECORDER = "labkit_recorder"  # the key each merged entry carries: which recorder holds it
+
+
+def _merged(dumps: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    """One dump from the recorders' dumps ((recorder, dump): gloo's, then NCCL's where there is
+    one): their entries oldest first by creation time, each tagged with its recorder (RECORDER),
+    since `record_id` counts per recorder and a group with both backends (the default group of
+    `cpu:gloo,cuda:nccl`) has the same name, and its own sequence numbers, in both; their groups'
+    status side by side (NCCL's under "NAME@nccl", so one never hides the other's)."""
+    entries: list[dict[str, Any]] = []
     status: dict[str, Any] = {}
-    for d in dumps:
-        status.update(d.get("pg_status") or {})
-    return {**dumps[0], "entries": entries, "pg_status": status}
+    for recorder, d in dumps:
+        for e in d.get("entries", []):
+            entries.append({**e, RECORDER: recorder})
+        for name, s in (d.get("pg_status") or {}).items():
+            status[name if recorder == RECORDERS[0] else f"{name}@{recorder}"] = s
+    entries.sort(key=lambda e: e.get("time_created_ns") or 0)
+    return {**dumps[0][1], "entries": entries, "pg_status": status}
 
 
 def _dump() -> dict[str, Any]:
     found = _dumps()
-    return _merged([json.loads(f(True, False)) for f in found[1::2] if f is not None])
+    return _merged(
+        [(r, json.loads(f(True, False))) for r, f in zip(RECORDERS, found[1::2]) if f is not None]
+    )
 
 
 def _pickled(collectives: bool) -> dict[str, Any]:
     found = _dumps()
-    return _merged([pickle.loads(f(collectives, False, False)) for f in found[0::2] if f])
+    return _merged(
+        [
+            (r, pickle.loads(f(collectives, False, False)))
+            for r, f in zip(RECORDERS, found[0::2])
+            if f is not None
+        ]
+    )
 
 
 def enqueued() -> dict[str, Any] | None:
@@ -116,7 +133,7 @@ def _entry(e: dict[str, Any]) -> FrEntry:
         p2p=p2p,
         op=str(e.get("profiling_name", "?")).split(":", 1)[-1],
         group=group[1],
-        group_id=str(group[0]),
+        group_id=_group_id(e),
         record_id=e.get("record_id"),
         state="completed" if e.get("retired") else e.get("state", "?"),
         input_sizes=e.get("input_sizes"),
@@ -126,6 +143,14 @@ def _entry(e: dict[str, Any]) -> FrEntry:
         created_ns=e.get("time_created_ns"),
         run_ms=(done - started) / 1e6 if started and done else None,
     )
+
+
+def _group_id(e: dict[str, Any]) -> str:
+    """The entry's group as the hang verdict keys it: torch's group name, "NAME@nccl" for
+    NCCL's recorder (a group with both backends counts its collectives once per backend)."""
+    name = str((e.get("process_group") or ["?"])[0])
+    recorder = e.get(RECORDER, RECORDERS[0])
+    return name if recorder == RECORDERS[0] else f"{name}@{recorder}"
 
 
 def groups() -> dict[str, FrGroup]:
@@ -143,7 +168,10 @@ def groups() -> dict[str, FrGroup]:
             ranks = sorted(dist.get_process_group_ranks(pg))
         except Exception:  # noqa: BLE001 - a group being destroyed: leave it out
             continue
-        got[str(name)] = FrGroup(desc=str(getattr(pg, "group_desc", "") or ""), ranks=ranks)
+        group = FrGroup(desc=str(getattr(pg, "group_desc", "") or ""), ranks=ranks)
+        got[str(name)] = group
+        for recorder in RECORDERS[1:]:  # the same group, as NCCL's recorder's entries name it
+            got[f"{name}@{recorder}"] = group
     return got
 
 
@@ -162,8 +190,13 @@ def snapshot(settle: float = 0.0) -> FrSnapshot | None:
     got = entries(settle=settle)
     wrapped = False
     if not isinstance(got, str) and got:
-        first = got[0].get("record_id")
-        wrapped = bool(first) or len(got) >= _capacity() > 0
+        by_recorder: dict[bool, list[FrEntry]] = {}  # each recorder is its own ring
+        for e in got:
+            by_recorder.setdefault(str(e["group_id"]).endswith("@nccl"), []).append(e)
+        wrapped = any(
+            bool(ring[0].get("record_id")) or len(ring) >= _capacity() > 0
+            for ring in by_recorder.values()
+        )
     return FrSnapshot(entries=got, wrapped=wrapped, groups=groups())
 
 

@@ -42,6 +42,10 @@ STAGED = (
     "all_gather_single_coalesced",
 )
 _last = threading.local()  # (staged, seconds) of this thread's last staged call, for the trace
+# torch 2.13's old names call the new ones (all_gather_tensor -> all_gather_single, both
+# wrapped): the inner call is on the host copy already and is not staged again (it would be
+# where CPU tensors count as staged, as in the tests)
+_inside = threading.local()
 
 
 def take() -> tuple[str, float] | None:
@@ -76,6 +80,8 @@ def wrap(fn: Any) -> Any:
 
     @functools.wraps(fn)
     def staged(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_inside, "on", False):
+            return fn(*args, **kwargs)
         try:
             bound = sig.bind(*args, **kwargs).arguments
         except TypeError:
@@ -92,11 +98,14 @@ def wrap(fn: Any) -> Any:
         host = [t.to("cpu", copy=True) for t in tensors]
         seconds = time.perf_counter() - since
         bound[first] = host if many else host[0]
+        _inside.on = True
         try:
             out = fn(**bound)
         except Exception as err:
             err.add_note(explain(fn.__name__, tensors))
             raise
+        finally:
+            _inside.on = False
         since = time.perf_counter()
         if many:
             result: Any = [o.to(t.device, copy=True) for o, t in zip(out, tensors, strict=True)]

@@ -46,7 +46,8 @@ class _State:
         self.cell_traced = False  # tracing was on when this cell began
         self.switches: list[tuple[float, bool]] = []  # (time.time(), on): `set_enabled` in it
         self.fr_enqueued: Any = None  # the Flight Recorder's per-group counts at cell start
-        self.fr_last = -1  # the last Flight Recorder entry (record_id) read
+        # the last Flight Recorder entry (record_id) read, per recorder (gloo's, NCCL's)
+        self.fr_last: dict[Any, int] = {}
         self.fr_added: dict[tuple[int, ...], int] = {}  # seq numbers given to them this cell
 
 
