@@ -26,8 +26,10 @@ prints what it would run and runs nothing.
 from __future__ import annotations
 
 import argparse
+import atexit
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -67,15 +69,17 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 
 def install(args: argparse.Namespace, env: dict[str, str]) -> list[str] | None:
-    """The install command (run unless dry); the site folder goes first on PYTHONPATH."""
+    """The install command (run unless dry); the site folder (removed when the check ends)
+    goes first on PYTHONPATH."""
     wheels = sorted(glob.glob(os.path.join(args.wheels, "*.whl")))
     if args.no_install or not wheels:
         return None
-    site = tempfile.mkdtemp(prefix="labkit-gpu-site-")
+    site = "SITE" if args.dry_run else tempfile.mkdtemp(prefix="labkit-gpu-site-")
     cmd = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps"]
     cmd += ["--no-compile", "--no-cache-dir", "--target", site, *wheels]
     env["PYTHONPATH"] = os.pathsep.join([site, ROOT, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     if not args.dry_run:
+        atexit.register(shutil.rmtree, site, True)
         subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
     return cmd
 

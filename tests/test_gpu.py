@@ -180,6 +180,18 @@ def test_ddp_over_nccl_keeps_no_hook_and_leaves_one_record_per_bucket() -> None:
             and r.recorded_by == ddp_tracing.BY
         ]
         assert buckets == [3 * layer] + [layer] * 3, buckets
+        # a gloo collective (a CPU tensor) between two DDP cells: gloo's and NCCL's recorders
+        # count apart, and the next cell's NCCL buckets are still found
+        lab.run("dist.all_reduce(torch.ones(1))").raise_for_errors()
+        lab.run("ddp_on_gpu(device)").raise_for_errors()
+        again = [
+            r.bytes
+            for r in lab.trace()
+            if isinstance(r, CommRecord)
+            and r.op == "all_reduce"
+            and r.recorded_by == ddp_tracing.BY
+        ]
+        assert again == [3 * layer] + [layer] * 3, again
     finally:
         lab.stop()
 

@@ -89,13 +89,14 @@ def wrap(fn: Any) -> Any:
         given = bound.get(first)
         many = isinstance(given, (list, tuple))
         tensors = list(given) if many else [given]
-        if not tensors or not all(host_staging.staged(t) for t in tensors):
+        if not any(host_staging.staged(t) for t in tensors):
             return fn(*args, **kwargs)
         group = resolve_group(bound.get("group"))
         if group is None or not host_staging.plain_gloo(group):
             return fn(*args, **kwargs)
         since = time.perf_counter()
-        host = [t.to("cpu", copy=True) for t in tensors]
+        # only the tensors on a staged device (a coalesced list may mix devices)
+        host = [t.to("cpu", copy=True) if host_staging.staged(t) else t for t in tensors]
         seconds = time.perf_counter() - since
         bound[first] = host if many else host[0]
         _inside.on = True
@@ -108,7 +109,10 @@ def wrap(fn: Any) -> Any:
             _inside.on = False
         since = time.perf_counter()
         if many:
-            result: Any = [o.to(t.device, copy=True) for o, t in zip(out, tensors, strict=True)]
+            result: Any = [
+                o.to(t.device, copy=True) if host_staging.staged(t) else o
+                for o, t in zip(out, tensors, strict=True)
+            ]
         else:
             result = out.to(tensors[0].device, copy=True)
         _last.value = ("d2h+h2d", seconds + time.perf_counter() - since)

@@ -148,10 +148,12 @@ def _say_missing() -> None:
 
 
 def _install_funcol(funcol: Any) -> None:
+    # first, and whatever the tracing can do on this torch (it keeps ranks alive): the tracer
+    # then wraps the staged functions
+    funcol_staging.install(funcol)
     if not torch_compat.available("functional_collectives"):
         _say_missing()
         return
-    funcol_staging.install(funcol)  # first: the tracer then wraps the staged functions
     for name in FUNCOL_OPS:
         fn = getattr(funcol, name, None)
         if fn is not None and not hasattr(fn, "__labkit_traced__"):
