@@ -119,3 +119,27 @@ def test_overlapped_all_gather_matmul_equals_plain():
     for rank, (got, plain, ref, order) in enumerate(run_ranks(_overlap, 4)):
         assert torch.allclose(got, plain, atol=1e-6) and torch.allclose(got, ref, atol=1e-5)
         assert order == [(rank - i) % 4 for i in range(4)]
+
+
+def _gqa_grads(rank, world):
+    torch.set_num_threads(1)
+    _, (x, wq, wk, wv, wo) = _gqa(rank, world, 2)
+    wk = wk.clone().requires_grad_()
+    out = gqa_tp_attention(x, wq, wk, wv, wo, 8, 2)
+    (out * torch.arange(16)).sum().backward()
+    return wk.grad, (x, wq, wk.detach(), wv, wo)
+
+
+@pytest.mark.timeout(120)
+def test_replicated_kv_heads_gradients_are_partial_sums():
+    got = run_ranks(_gqa_grads, 4)
+    x, wq, wk, wv, wo = got[0][1]
+    wk = wk.clone().requires_grad_()
+    S, H, d = 10, 8, 4
+    q = (x @ wq.T).view(S, H, d).transpose(0, 1)
+    k, v = ((x @ w.T).view(S, 2, d).transpose(0, 1) for w in (wk, wv))
+    o = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    ((o.transpose(0, 1).reshape(S, H * d) @ wo.T) * torch.arange(16)).sum().backward()
+    summed = sum(g for g, _ in got)
+    assert torch.allclose(summed, wk.grad, atol=1e-3)  # ranks 0+1 hold head 0, 2+3 head 1
+    assert (got[0][0] - wk.grad).abs().max() > 1e-1  # one copy's gradient is only a part
