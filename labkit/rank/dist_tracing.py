@@ -39,6 +39,7 @@ from labkit.rank import host_staging, torch_compat
 from labkit.rank.trace_state import (
     STATE,
     add_record,
+    compiling_check,
     cuda_event,
     end_event,
     group_ranks,
@@ -105,9 +106,12 @@ def _wrap(op: str, fn: Any) -> Any:
     names = list(sig.parameters)  # binding by position is ~10x cheaper than sig.bind_partial
 
     staged_op = op in host_staging.OPS
+    compiling = compiling_check()
 
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
+        if compiling():  # torch.compile traces torch's function, not this wrapper
+            return fn(*args, **kwargs)
         call = fn
         if staged_op:
             staging = host_staging.plan(op, args, kwargs)

@@ -31,6 +31,7 @@ import time
 from typing import Any
 
 from labkit.rank import host_staging, torch_compat
+from labkit.rank.trace_state import compiling_check
 
 # the functional all-gathers, under each torch's names (2.13 added the *_single ones)
 STAGED = (
@@ -77,10 +78,11 @@ def wrap(fn: Any) -> Any:
     input is on a staged device type; else `fn` itself."""
     sig = inspect.signature(fn)
     first = next(iter(sig.parameters))
+    compiling = compiling_check()
 
     @functools.wraps(fn)
     def staged(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_inside, "on", False):
+        if compiling() or getattr(_inside, "on", False):  # compiled code: torch's own call
             return fn(*args, **kwargs)
         try:
             bound = sig.bind(*args, **kwargs).arguments

@@ -24,6 +24,7 @@ from labkit.rank import funcol_staging, torch_compat
 from labkit.rank.trace_state import (
     STATE,
     add_record,
+    compiling_check,
     cuda_event,
     end_event,
     issued,
@@ -72,9 +73,12 @@ def _wrap_funcol(funcol: Any, name: str, fn: Any) -> Any:
     op, gathered = FUNCOL_OPS[name]
     sig = inspect.signature(fn)
     first_arg = next(iter(sig.parameters))
+    compiling = compiling_check()
 
     @functools.wraps(fn)
     def traced(*args: Any, **kwargs: Any) -> Any:
+        if compiling():  # torch.compile traces torch's function, not this wrapper
+            return fn(*args, **kwargs)
         if not STATE.enabled or STATE.inside or threading.get_ident() != STATE.main:
             return fn(*args, **kwargs)
         if not torch_compat.available("functional_collectives"):  # made so after install
@@ -120,8 +124,12 @@ def _wrap_funcol(funcol: Any, name: str, fn: Any) -> Any:
 
 
 def _wrap_wait_tensor(fn: Any) -> Any:
+    compiling = compiling_check()
+
     @functools.wraps(fn)
     def wait_tensor(tensor: Any) -> Any:
+        if compiling():
+            return fn(tensor)
         entry = STATE.waiting.pop(id(tensor), None)
         if entry is None or threading.get_ident() != STATE.main:
             return fn(tensor)

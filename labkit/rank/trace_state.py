@@ -54,6 +54,19 @@ class _State:
 STATE = _State()
 
 
+def compiling_check() -> Any:
+    """torch's `torch.compiler.is_compiling` (a function of no arguments; always False where this
+    torch has none). labkit's wrappers ask it first and, while torch.compile traces them, call
+    torch's own function at once: the compiled graph then holds the collective as torch would
+    capture it, with no graph break of labkit's making (the wrappers' clocks, thread ids and
+    records are not traceable). Such collectives run as compiled code: DDP's and the Flight
+    Recorder's records still see them, labkit's own wrappers do not."""
+    import torch
+
+    check = getattr(getattr(torch, "compiler", None), "is_compiling", None)
+    return check if check is not None else (lambda: False)
+
+
 def add_record(rec: CommRecord | SpanRecord) -> None:
     STATE.records.setdefault(STATE.cell, []).append(rec)
 
