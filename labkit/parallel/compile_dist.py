@@ -26,7 +26,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 from torch import fx, nn
 
 __all__ = ["GraphRecorder", "buckets_by_size", "ddp_buckets", "layers_per_graph"]
@@ -56,7 +55,11 @@ class GraphRecorder:
     def ops(self) -> list[list[str]]:
         """The functions each recorded graph calls, by name, in order."""
         return [
-            [getattr(n.target, "__name__", str(n.target)) for n in g.graph.nodes if n.op == "call_function"]
+            [
+                getattr(n.target, "__name__", str(n.target))
+                for n in g.graph.nodes
+                if n.op == "call_function"
+            ]
             for g in self.graphs
         ]
 
