@@ -139,6 +139,18 @@ def closes_before_crossing(shapes, element_size, cap, first_cap):
     return out
 
 
+def closes_past_the_cap(shapes, element_size, cap, first_cap):
+    out, filled = [[]], 0
+    for i in reversed(range(len(shapes))):
+        limit = first_cap if len(out) == 1 else cap
+        if out[-1] and filled > limit:  # `>` where DDP has `>=`
+            out.append([])
+            filled = 0
+        out[-1].append(i)
+        filled += _numel(shapes[i]) * element_size
+    return out
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "fn, ok, says",
@@ -148,6 +160,7 @@ def closes_before_crossing(shapes, element_size, cap, first_cap):
         (one_cap, False, "its own cap"),
         (counts_elements, False, "in bytes"),
         (closes_before_crossing, False, "add the tensor first"),
+        (closes_past_the_cap, False, "not only once they pass it"),
         (lambda *case: 3, False, "raised TypeError"),
     ],
 )

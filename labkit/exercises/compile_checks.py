@@ -14,7 +14,9 @@ The classic wrong answers it names, each on cases where it differs from the righ
 - the first bucket given the same cap as the others (its own cap is what starts the first
   all-reduce early);
 - counting elements instead of bytes (the cap is in bytes: an fp32 element is 4);
-- closing a bucket before the tensor that would cross the cap (DDP adds it, then closes).
+- closing a bucket before the tensor that would cross the cap (DDP adds it, then closes);
+- closing only once the bytes pass the cap (`>`), where DDP closes once they reach it (`>=`):
+  the last case's layer is exactly the cap.
 """
 
 from __future__ import annotations
@@ -33,11 +35,21 @@ CASES = (
     ([(32, 32), (32,), (32, 64), (64,), (64, 16), (16,)], 4, 8_192, 4_096),
     ([(100,), (200,), (300,), (400,), (500,)], 2, 1_000, 600),
     ([(128, 128), (128,)] * 3, 4, 70_000, 70_000),
+    ([(16, 16), (16,)] * 2, 4, 1_088, 1_088),  # a layer is 1,088 bytes: exactly the cap
 )
 
 
 def _reference(
-    shapes, element_size, cap, first_cap, *, forward=False, first=True, unit=None, before=False
+    shapes,
+    element_size,
+    cap,
+    first_cap,
+    *,
+    forward=False,
+    first=True,
+    unit=None,
+    before=False,
+    strict=False,
 ) -> list[list[int]]:
     from labkit.parallel.compile_dist import buckets_by_size
 
@@ -45,13 +57,13 @@ def _reference(
     size = unit or element_size
     sizes = [prod(shapes[i]) * size for i in order]
     first_cap = first_cap if first else cap
-    if not before:
+    if not (before or strict):
         groups = buckets_by_size(sizes, cap, first_cap)
-    else:  # never let a bucket cross its cap
+    else:  # never let a bucket cross its cap, or close it only once it passes the cap
         groups, filled = [[]], 0
         for j, s in enumerate(sizes):
             limit = first_cap if len(groups) == 1 else cap
-            if groups[-1] and filled + s > limit:
+            if groups[-1] and (filled + s > limit if before else filled > limit):
                 groups.append([])
                 filled = 0
             groups[-1].append(j)
@@ -67,6 +79,9 @@ SLIPS = {
     "the caps are in bytes: multiply each tensor's elements by element_size": {"unit": 1},
     "a bucket closes once its bytes reach the cap, with the tensor that crossed it inside: "
     "add the tensor first, then close": {"before": True},
+    "a bucket closes as soon as its bytes reach the cap (>=), not only once they pass it": {
+        "strict": True
+    },
 }
 
 
