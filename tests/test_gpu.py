@@ -172,25 +172,23 @@ def test_ddp_over_nccl_keeps_no_hook_and_leaves_one_record_per_bucket() -> None:
         res = lab.run("ddp_on_gpu(device)")
         res.raise_for_errors()
         assert res[0].value == ([], "cuda")
-        buckets = [
-            r.bytes
-            for r in lab.trace()
-            if isinstance(r, CommRecord)
-            and r.op == "all_reduce"
-            and r.recorded_by == ddp_tracing.BY
-        ]
-        assert buckets == [3 * layer] + [layer] * 3, buckets
+
+        def buckets() -> list[int]:  # the last cell's all-reduces read from the Flight Recorder
+            return [
+                r.bytes
+                for r in lab.trace()
+                if isinstance(r, CommRecord)
+                and r.op == "all_reduce"
+                and r.recorded_by == ddp_tracing.BY
+            ]
+
+        first = buckets()
+        assert first == [3 * layer] + [layer] * 3, first
         # a gloo collective (a CPU tensor) between two DDP cells: gloo's and NCCL's recorders
         # count apart, and the next cell's NCCL buckets are still found
         lab.run("dist.all_reduce(torch.ones(1))").raise_for_errors()
         lab.run("ddp_on_gpu(device)").raise_for_errors()
-        again = [
-            r.bytes
-            for r in lab.trace()
-            if isinstance(r, CommRecord)
-            and r.op == "all_reduce"
-            and r.recorded_by == ddp_tracing.BY
-        ]
+        again = buckets()
         assert again == [3 * layer] + [layer] * 3, again
     finally:
         lab.stop()
