@@ -63,6 +63,29 @@ def test_the_stop_board_alone_stops_a_cell_not_yet_started(lab):
     assert lab.pull("kept") == {0: 1, 1: 2}  # no restart
 
 
+def test_a_stop_signal_after_the_user_code_ended_still_ends_the_cell(lab):
+    """A Stop's SIGINT that reaches a rank's main thread after the user code ended, while the
+    rank is still writing up the cell's error, is ignored there: the cell replies with its own
+    error. (It used to raise KeyboardInterrupt past the reply, and the kernel waited forever: CI
+    saw it when the heartbeat re-signalled a cell that Stop had kept from starting.)"""
+    lab.run(
+        "import signal, threading, time\n"
+        "import labkit.rank.worker as _worker\n"
+        "_format = _worker.format_error\n"
+        "def _signalled_while_formatting(exc):\n"
+        "    signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)\n"
+        "    time.sleep(0.05)  # the handler runs here, in the main thread\n"
+        "    return _format(exc)\n"
+        "_worker.format_error = _signalled_while_formatting\n"
+    )
+    try:
+        res = lab.run("raise ValueError('its own error')", timeout=30)
+        assert {r.error["type"] for r in res.values()} == {"ValueError"}
+    finally:
+        lab.run("_worker.format_error = _format")
+    assert lab.run("rank").values_by_rank == {0: 0, 1: 1}  # no restart
+
+
 def test_a_stop_for_a_finished_cell_does_not_touch_the_next_one(lab):
     lab.run("x = 1")
     lab.channel.send_interrupt([0, 1], lab.last_cell)  # too late for that cell

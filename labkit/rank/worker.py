@@ -241,18 +241,23 @@ class Rank(SideChannel):
         t0 = time.perf_counter()
         self._take_stop(cell)  # a Stop pressed before this rank took the cell
         try:
-            self.in_user_code = True
-            if self.stop_cell == cell:
-                raise KeyboardInterrupt("Stop was pressed before this rank started the cell")
-            if msg.get("fn") is not None:
-                value = call_function(msg["fn"], self.ns)
-            else:
-                value = run_code(msg["code"], f"<cell-{cell}>", self.ns)
+            try:
+                self.in_user_code = True
+                if self.stop_cell == cell:
+                    self.stopped_at = time.monotonic()  # the heartbeat need not signal it too
+                    raise KeyboardInterrupt("Stop was pressed before this rank started the cell")
+                if msg.get("fn") is not None:
+                    value = call_function(msg["fn"], self.ns)
+                else:
+                    value = run_code(msg["code"], f"<cell-{cell}>", self.ns)
+            finally:  # from here on a late Stop signal is ignored (_on_sigint) ...
+                self.in_user_code = False
         except BaseException as exc:  # noqa: BLE001 - a user's error of any kind is reported
+            # ... one that landed in `finally` before it is this cell's KeyboardInterrupt: the
+            # cell still ends here and replies (it used to escape to `serve`: no reply, a hang)
+            self.in_user_code = False
             error = format_error(exc)
             debugger.keep(exc)
-        finally:
-            self.in_user_code = False
         duration = time.perf_counter() - t0
         trace.end_cell()  # torch's own collectives (DDP's buckets), from its Flight Recorder
         self.capture.flush()
