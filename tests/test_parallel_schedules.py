@@ -16,9 +16,11 @@ from torch import nn
 from labkit.parallel.pipeline_parallel import bubble_fraction
 from labkit.parallel.pipeline_schedules import (
     TORCH_SCHEDULES,
+    ChunkEvent,
     TorchPipeline,
     build_chunks,
     measured_bubble,
+    replayed_bubble,
     simulate,
     simulated_bubble,
     tick_bubble,
@@ -130,6 +132,61 @@ def test_formulas_and_errors() -> None:
         simulate({0: [("BW", 0, 0), ("F", 0, 0)], 1: [("F", 1, 0), ("BW", 1, 0)]}, 2, (1, 1, 1))
     with pytest.raises(ValueError, match="must be non-empty"):
         measured_bubble([])
+
+
+def test_replay_takes_out_the_time_lost_between_ops_worked_by_hand() -> None:
+    """Rank 0 runs chunk 0, rank 1 chunk 1, one micro-batch, each op 1 s; the forward reaches
+    rank 1 0.2 s late and the backward rank 0 0.3 s late. Busy 4 s of 2 x 4.5 s: 5/9 idle.
+    Replayed with free messages the step takes 4 s: 1/2 idle."""
+    events = [
+        ChunkEvent(0, 0, "F", 0, 0.0, 1.0),
+        ChunkEvent(1, 1, "F", 0, 1.2, 2.2),
+        ChunkEvent(1, 1, "B", 0, 2.2, 3.2),
+        ChunkEvent(0, 0, "B", 0, 3.5, 4.5),
+    ]
+    assert measured_bubble(events) == pytest.approx(5 / 9)
+    assert replayed_bubble(events) == pytest.approx(1 / 2)
+    # split: B's gradient leaves at once (zero bubble); whole: only with its W (5 s of idle)
+    whole = events[:3] + [ChunkEvent(1, 1, "W", 0, 3.2, 4.2), ChunkEvent(0, 0, "B", 0, 4.5, 5.5)]
+    assert replayed_bubble(whole, split_backward=True) == pytest.approx(1 - 5 / 8)
+    assert replayed_bubble(whole) == pytest.approx(1 - 5 / 10)
+    with pytest.raises(ValueError, match="must be non-empty"):
+        replayed_bubble([])
+    with pytest.raises(ValueError, match="cannot be replayed"):  # F of chunk 0 never ran
+        replayed_bubble([ChunkEvent(1, 1, "F", 0, 0.0, 1.0)])
+
+
+@pytest.mark.parametrize("schedule", TORCH_SCHEDULES)
+def test_replay_of_a_planned_step_is_its_simulation_and_gaps_only_add_to_the_measurement(
+    schedule: str,
+) -> None:
+    """Events made from `simulate` of torch's orders replay to `simulated_bubble`; the same
+    events with every op on rank 1 started later (a late message) measure more idle time but
+    replay to the same bubble."""
+    tf, tb, tw = 1.0, 1.5, 0.5
+    for p, m in ((2, 2), (3, 3)):
+        v = CHUNKS_PER_RANK[schedule]
+        orders = torch_orders(schedule, p, m, v)
+        events = []
+        for r, c, kind, j, start, end in simulate(orders, p * v, (tf, tb, tw)):
+            if kind == "BW":  # a full backward records B, then W
+                events += [ChunkEvent(r, c, "B", j, start, start + tb)]
+                events += [ChunkEvent(r, c, "W", j, start + tb, end)]
+            else:
+                events.append(ChunkEvent(r, c, kind, j, start, end))
+        want = simulated_bubble(orders, p * v, (tf, tb, tw))
+        split = schedule == "zero_bubble"
+        assert replayed_bubble(events, split) == pytest.approx(want)
+        assert measured_bubble(events) == pytest.approx(want)
+        stall = sorted(e.start for e in events)[len(events) // 2]  # a late message: all after
+        late = [
+            ChunkEvent(e.rank, e.chunk, e.kind, e.microbatch, e.start + 0.7, e.end + 0.7)
+            if e.start >= stall
+            else e
+            for e in events
+        ]
+        assert replayed_bubble(late, split) == pytest.approx(want)
+        assert measured_bubble(late) > want + 0.01
 
 
 # ---------------------------------------------------------------- on ranks

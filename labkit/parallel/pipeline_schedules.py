@@ -24,11 +24,12 @@ in flight). torch 2.13 also has `ScheduleDualPipeV` and `ScheduleLoopedBFS`.
   overlap on a busy machine), and that records every F, B and W it runs as a `ChunkEvent`.
 - `TorchPipeline`: this rank's chunks under one of torch's schedules; `step` runs one
   training step and returns the loss (last rank) and this rank's events.
-- `torch_orders` / `simulate` / `simulated_bubble`: the order of work torch's schedule gives
-  each rank, and the step those orders make when every F, B and W takes a given time (pure
-  Python: the prediction the measurement is checked against).
-- `zero_bubble_fraction`: the idle fraction of torch's zero-bubble schedule in closed form.
-- `measured_bubble`: 1 - busy / (ranks * span) of one step's events (all ranks gathered).
+- `torch_orders`, `torch_tick_table`, `tick_bubble`: the order of work torch's schedule gives
+  each rank, and the idle ticks torch itself plans (no ranks needed).
+- The step's arithmetic lives in `labkit.parallel.pipeline_bubbles` and can be imported from
+  here too: `zero_bubble_fraction`, `simulate` / `simulated_bubble` (orders on paper),
+  `measured_bubble` and `replayed_bubble` (a step's events, with and without the time lost
+  between ops).
 """
 
 from __future__ import annotations
@@ -41,6 +42,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from labkit.parallel.pipeline_bubbles import (  # the step's arithmetic, importable from here too
+    measured_bubble,
+    replayed_bubble,
+    simulate,
+    simulated_bubble,
+    zero_bubble_fraction,
+)
 from labkit.wire.records import SpanRecord
 
 __all__ = [
@@ -50,6 +58,7 @@ __all__ = [
     "TorchPipeline",
     "build_chunks",
     "measured_bubble",
+    "replayed_bubble",
     "simulate",
     "simulated_bubble",
     "tick_bubble",
@@ -212,38 +221,6 @@ class TorchPipeline:
         return (torch.stack(losses).mean().detach() if losses else None), events
 
 
-def zero_bubble_fraction(
-    num_stages: int,
-    num_microbatches: int,
-    num_chunks: int,
-    seconds: Sequence[float],
-) -> float:
-    """Idle fraction of a zero-bubble step: b / (m*(tf+tb+tw) + b), b = (p-1)(tf+tb-tw)/v.
-
-    `seconds` = (tf, tb, tw): one micro-batch's forward, input gradient and weight gradient
-    on one rank (all its chunks together)."""
-    p, m, v = num_stages, num_microbatches, num_chunks
-    if p < 1 or m < 1 or v < 1:
-        raise ValueError(
-            f"num_stages, num_microbatches, num_chunks must be in [1, inf), got {p, m, v}"
-        )
-    tf, tb, tw = seconds
-    if min(tf, tb, tw) < 0 or tw > tf:
-        raise ValueError(f"seconds must be >= 0 with tw <= tf, got {tuple(seconds)}")
-    bubble = (p - 1) * (tf + tb - tw) / v
-    return bubble / (m * (tf + tb + tw) + bubble)
-
-
-def measured_bubble(events: Sequence[ChunkEvent]) -> float:
-    """1 - busy / (ranks * span): the idle fraction of one step, from all ranks' events."""
-    if not events:
-        raise ValueError("events must be non-empty")
-    span = max(e.end for e in events) - min(e.start for e in events)
-    ranks = len({e.rank for e in events})
-    busy = sum(e.duration for e in events)
-    return 1.0 - busy / (ranks * span) if span > 0 else 0.0
-
-
 # ---------------------------------------------------------------- pure: orders and simulation
 
 Order = list[tuple[str, int, int]]  # per rank: (kind "F" | "B" | "W" | "BW", chunk, microbatch)
@@ -348,53 +325,3 @@ def tick_bubble(table: dict[int, list]) -> float:
     span = max(len(ticks) for ticks in table.values())
     busy = sum(a is not None for ticks in table.values() for a in ticks)
     return 1.0 - busy / (len(table) * span)
-
-
-def simulate(
-    orders: dict, num_chunks: int, seconds: Sequence[float]
-) -> list[tuple[int, int, str, int, float, float]]:
-    """Run `orders` on paper: each rank does its work in order, each op as early as allowed.
-
-    `seconds` = (F, B, W) per chunk; a full backward BW takes B + W. F(c, j) waits for
-    F(c-1, j); B (or BW) of (c, j) waits for F(c, j) and for B of (c+1, j) on the next chunk;
-    W waits for B of its own (c, j). Messages are free. Returns (rank, chunk, kind, microbatch,
-    start, end) for every op.
-    """
-    tf, tb, tw = seconds
-    cost = {"F": tf, "B": tb, "W": tw, "BW": tb + tw}
-    done: dict[tuple[str, int, int], float] = {}  # ("F" | "B" | "W", chunk, mb) -> end
-    free = dict.fromkeys(orders, 0.0)
-    pos = dict.fromkeys(orders, 0)
-    out = []
-    while any(pos[r] < len(orders[r]) for r in orders):
-        progressed = False
-        for r in orders:
-            while pos[r] < len(orders[r]):
-                kind, c, j = orders[r][pos[r]]
-                if kind == "F":
-                    deps = [("F", c - 1, j)] if c > 0 else []
-                elif kind == "W":
-                    deps = [("B", c, j)]
-                else:
-                    deps = [("F", c, j)] + ([("B", c + 1, j)] if c < num_chunks - 1 else [])
-                if not all(d in done for d in deps):
-                    break
-                start = max([free[r]] + [done[d] for d in deps])
-                end = start + cost[kind]
-                out.append((r, c, kind, j, start, end))
-                free[r] = end
-                for k in ("B", "W") if kind == "BW" else (kind,):
-                    done[(k, c, j)] = end
-                pos[r] += 1
-                progressed = True
-        if not progressed:
-            raise ValueError("these orders deadlock: some op waits for one that never runs")
-    return out
-
-
-def simulated_bubble(orders: dict, num_chunks: int, seconds: Sequence[float]) -> float:
-    """The idle fraction of the step `simulate` predicts: 1 - busy / (ranks * span)."""
-    ops = simulate(orders, num_chunks, seconds)
-    span = max(o[5] for o in ops) - min(o[4] for o in ops)
-    busy = sum(o[5] - o[4] for o in ops)
-    return 1.0 - busy / (len(orders) * span)
