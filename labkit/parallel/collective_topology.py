@@ -259,7 +259,7 @@ def hierarchical_all_reduce(
         raise ValueError(f"numel {tensor.numel()} does not divide by the node's {k} ranks")
     flat = tensor.view(-1)
     share = torch.empty(flat.numel() // k, dtype=flat.dtype, device=flat.device)
-    dist.reduce_scatter_tensor(share, flat, group=intra)
+    dist.reduce_scatter_single(share, flat, group=intra)
     if wire is None:
         dist.all_reduce(share, group=inter)
     else:
@@ -270,5 +270,5 @@ def hierarchical_all_reduce(
             dist.all_reduce(share, group=inter)
         dist.barrier()
         wire["inter"] = (counted.sent, counted.received)
-    dist.all_gather_into_tensor(flat, share, group=intra)
+    dist.all_gather_single(flat, share, group=intra)
     return tensor
