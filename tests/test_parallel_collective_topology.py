@@ -99,6 +99,8 @@ def test_parse_topo_keeps_gpu_pairs():
         ct.parse_topo(TOPO.replace("NV4     SYS     PIX", "NVX     SYS     PIX"))
     with pytest.raises(ValueError):
         ct.parse_topo("no matrix here")
+    tabs = "\tGPU0\tGPU1\tCPU Affinity\nGPU0\t X \tNV18\t0-55\nGPU1\tNV18\t X \t0-55\n"
+    assert ct.parse_topo(tabs)[("GPU1", "GPU0")] == "NV18"  # nvidia-smi separates with tabs
 
 
 @pytest.mark.timeout(10)
@@ -107,6 +109,8 @@ def test_link_speeds_and_model_by_hand():
     assert ct.link_for("SYS") == 64.0
     with pytest.raises(ValueError):
         ct.link_for("X")
+    with pytest.raises(ValueError):
+        ct.link_for("NVX")
     # 1 GB over 16 ranks at 50 GB/s, no latency: 30 steps of 62.5 MB at 50 GB/s = 37.5 ms
     assert ct.ring_time(1e9, 16, 0.0, 50.0) == pytest.approx(0.0375)
     # the tree on 4 ranks: 4 levels of 1 MB at 1 GB/s, plus 4 alphas of 1 us
