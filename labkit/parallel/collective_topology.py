@@ -153,9 +153,9 @@ def ring_time(nbytes: float, p: int, alpha: float, gbytes_per_s: float) -> float
 
 
 def tree_time(nbytes: float, p: int, alpha: float, gbytes_per_s: float) -> float:
-    """Seconds of the unpipelined binomial tree of `tree_all_reduce`: 2·ceil(log2 p) steps of
-    the whole buffer (a rank with two children receives them one after the other in the
-    model's count of steps: levels, not messages)."""
+    """Seconds of the unpipelined binomial tree of `tree_all_reduce`: 2·ceil(log2 p) levels,
+    and in each level every receiving rank gets one message of the whole buffer, all pairs of
+    the level at once (a binomial tree's root hears from its children at different levels)."""
     return 2 * math.ceil(math.log2(p)) * (alpha + nbytes / (gbytes_per_s * 1e9))
 
 
