@@ -123,3 +123,19 @@ def test_link_speeds_and_model_by_hand():
     # between nodes a 2-rank ring of 0.5 GB at 10 GB/s: 2 steps of 0.25 GB = 50 ms
     t = ct.hierarchical_time(1e9, 2, 2, (0.0, 100.0), (0.0, 10.0))
     assert t == pytest.approx(0.06)
+
+
+@pytest.mark.timeout(10)
+def test_channel_rings_by_hand():
+    # 2 nodes x 2, 1 GB, no latency: 2 rings of 0.5 GB over 4 ranks, 6 steps of 125 MB each;
+    # inside, each ring gets 100/2 = 50 GB/s, between nodes 10 GB/s: 6 x 12.5 ms = 75 ms
+    t = ct.channel_rings_time(1e9, 2, 2, (0.0, 100.0), (0.0, 10.0))
+    assert t == pytest.approx(0.075)
+    # against one ring through one 10 GB/s port: 6 steps of 250 MB = 150 ms, twice as long
+    assert ct.ring_time(1e9, 4, 0.0, 10.0) == pytest.approx(2 * t)
+    # the slower hop sets the step: with NVLink shared 8 ways below the NIC, NVLink decides
+    assert ct.channel_rings_time(1.6e9, 2, 8, (0.0, 80.0), (0.0, 50.0)) == pytest.approx(
+        30 * 1.6e9 / 128 / 10e9
+    )
+    # latency only: 2(p-1) steps, each paying the larger alpha
+    assert ct.channel_rings_time(0, 2, 8, (1e-6, 450.0), (5e-6, 50.0)) == pytest.approx(30 * 5e-6)

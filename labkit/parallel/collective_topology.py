@@ -17,7 +17,9 @@ consecutive ranks. Reduce-scatter inside each node (each local rank ends with th
 of 1/per_node of the buffer), all-reduce of that 1/per_node between the ranks with the same
 local rank on every node (the only traffic between nodes), all-gather inside the node. Each
 rank sends 2(nodes-1)/nodes · n/per_node bytes between nodes, where a flat ring sends
-2(p-1)/p · n across each node boundary it crosses.
+2(p-1)/p · n across each node boundary it crosses. NCCL runs its flat ring as several rings at
+once (channels), one per NIC, so each NIC carries 2(p-1)/p · n/per_node: `channel_rings_time`
+models that, and beats the unpipelined hierarchical model on large buffers.
 
 **Alpha-beta per link**: a message of m bytes over a link costs alpha + m / bandwidth, with
 bandwidth in bytes per second *per direction* (NVIDIA quotes NVLink "900 GB/s" for an H100 as
@@ -41,6 +43,7 @@ __all__ = [
     "LEGEND",
     "LINKS",
     "Link",
+    "channel_rings_time",
     "hierarchical_all_reduce",
     "hierarchical_inter_bytes",
     "hierarchical_time",
@@ -81,8 +84,12 @@ LINKS = {
         "NVLink 4 (H100/H200), per link", 25.0, "NVIDIA: 18 links, 900 GB/s both ways together"
     ),
     "nvlink3": Link("NVLink 3 (A100), per link", 25.0, "NVIDIA: 12 links, 600 GB/s both ways"),
-    "pcie5": Link("PCIe Gen5 x16", 64.0, "PCI-SIG: 32 GT/s x 16 lanes, 128b/130b, each way"),
-    "pcie4": Link("PCIe Gen4 x16", 32.0, "PCI-SIG: 16 GT/s x 16 lanes, 128b/130b, each way"),
+    "pcie5": Link(
+        "PCIe Gen5 x16", 64.0, "PCI-SIG: 32 GT/s x 16 lanes / 8 each way (63 after 128b/130b)"
+    ),
+    "pcie4": Link(
+        "PCIe Gen4 x16", 32.0, "PCI-SIG: 16 GT/s x 16 lanes / 8 each way (31.5 after 128b/130b)"
+    ),
     "ib_ndr": Link("InfiniBand NDR, one port", 50.0, "NVIDIA/IBTA: 400 Gb/s per direction"),
     "ib_hdr": Link("InfiniBand HDR, one port", 25.0, "NVIDIA/IBTA: 200 Gb/s per direction"),
 }
@@ -176,6 +183,20 @@ def hierarchical_time(
     (a_in, b_in), (a_out, b_out) = intra, inter
     inside = 2 * (per_node - 1) * (a_in + nbytes / per_node / (b_in * 1e9))
     return inside + ring_time(nbytes / per_node, nodes, a_out, b_out)
+
+
+def channel_rings_time(
+    nbytes: float, nodes: int, per_node: int, intra: tuple[float, float], inter: tuple[float, float]
+) -> float:
+    """Seconds of a flat ring all-reduce over all nodes·per_node ranks run as per_node rings at
+    once (NCCL's channels, simplified), each carrying nbytes/per_node and leaving the node
+    through its own network port, so the node's NICs all work. Inside the node the rings share
+    each GPU's link: each gets b_in/per_node. Every step of a ring (2(p-1) of them, n/(k·p)
+    bytes each) waits for its slower hop. No pipelining across steps, no trees, no SHARP."""
+    (a_in, b_in), (a_out, b_out) = intra, inter
+    p, msg = nodes * per_node, nbytes / (per_node * nodes * per_node)
+    step = max(a_in + msg / (b_in / per_node * 1e9), a_out + msg / (b_out * 1e9))
+    return 2 * (p - 1) * step
 
 
 def hierarchical_inter_bytes(nbytes: int, nodes: int, per_node: int) -> float:
