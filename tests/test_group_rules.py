@@ -36,8 +36,15 @@ def _rules(rank: int, world_size: int) -> dict:
     if rank in (1, 2):  # only the members call it
         seen["local"] = _group_sum([1, 2], use_local_synchronization=True)
     seen["counted"] = c10d._world.group_count  # the local call is not counted
+    # From here the rules are broken on purpose, and what the ranks then wait for depends on
+    # timing: rank 0's next group takes the number of the one it skipped, so its store keys
+    # collide with ranks 1 and 2's group of that number, and a rank can connect to the wrong
+    # peer. Every wait is bounded so that each way this can go ends in seconds (CI once saw
+    # rank 1 wait past the test's 240 s here): the groups' own timeouts, and the store's for
+    # the keys gloo reads while it connects (30 min by default).
+    c10d._get_default_store().set_timeout(datetime.timedelta(seconds=20))
     if rank != 0:  # broken: rank 0 skips a default-mode group it is not in
-        _group_sum([1, 2])
+        _group_sum([1, 2], seconds=5)
     seen["after_skip"] = _group_sum([0, 1, 2], seconds=2)
     if rank in (0, 1):  # broken: members that belong to 1 and 4 groups make a local one
         seen["local_01"] = _group_sum([0, 1], seconds=2, use_local_synchronization=True)
