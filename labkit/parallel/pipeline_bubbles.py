@@ -6,7 +6,8 @@
 - `measured_bubble`: 1 - busy / (ranks * span) of one step's events (all ranks gathered).
 - `replayed_bubble`: the bubble those events would have had with free, instant messages (each
   op replayed with the time it really took): a lower bound the wall clock cannot beat, so the
-  measured bubble minus it is what messages, torch's bookkeeping and waking a rank cost.
+  measured bubble minus it is what messages, torch's bookkeeping and waking a rank that waited
+  for one cost (a rank woken late after a sleep inside an op stamps that delay in the op).
 
 Events are `labkit.parallel.pipeline_schedules.ChunkEvent`s, or anything with the same fields
 (rank, chunk, kind, microbatch, start, end, duration).
@@ -79,6 +80,12 @@ def replayed_bubble(events: Sequence[Any], split_backward: bool = False) -> floa
     start before its replay, so `measured_bubble(events)` is at least this; the difference is
     time lost between ops (messages, torch's bookkeeping, waking a rank). With every op as long
     as planned it is `simulated_bubble` of the same orders.
+
+    `split_backward` must say how the step ran: False on a zero-bubble step makes a B that is
+    followed by its own W wait for it, which the real step did not, and the result is then no
+    lower bound. Events must be one step's, with no two ops of a rank overlapping. (torch 2.13's
+    zero bubble skips the first stage's B and runs it inside that stage's W: recorded B then W,
+    which changes nothing here, as nobody waits for the first stage's input gradient.)
     """
     if not events:
         raise ValueError("events must be non-empty")
