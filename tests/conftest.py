@@ -26,6 +26,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -85,6 +86,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 NOTEBOOK_JOBS = max(1, int(os.environ.get("LABKIT_NOTEBOOK_JOBS", "2")))
+NOTEBOOK_NICE = 10  # tests/notebook_runner.py's
+_batch: list[NotebookBatch] = []  # this session's, for the terminal summary
 
 
 class NotebookBatch:
@@ -95,15 +98,44 @@ class NotebookBatch:
         self.out = os.path.join(tmp, "notebooks.json")
         runner = os.path.join(os.path.dirname(__file__), "notebook_runner.py")
         cmd = [sys.executable, runner, self.out, str(NOTEBOOK_JOBS), *paths]
+        self.started = time.monotonic()
         self.proc = subprocess.Popen(cmd) if paths else None
+        self.got: dict | None = None  # the runner's OUT.json, once read
+        self.others_ended: float | None = None  # when the tests beside them had all ended
 
     def results(self) -> dict:
         """Wait for every notebook; {"wall", "jobs", "runs": {path: (ok, s, error)}, "left"}."""
         if self.proc is None:
             return {"wall": 0.0, "jobs": NOTEBOOK_JOBS, "runs": {}, "left": ""}
+        if self.others_ended is None:
+            self.others_ended = time.monotonic() - self.started
         self.proc.wait()
-        with open(self.out) as f:
-            return json.load(f)
+        if self.got is None:
+            with open(self.out) as f:
+                self.got = json.load(f)
+        return self.got
+
+    def summary(self) -> list[str]:
+        """The notebooks' part of the run, for the terminal: wall and CPU time, when the tests
+        beside them ended, and the longest notebooks with when each started and ended."""
+        got = self.got
+        if not got or not got.get("runs"):
+            return []
+        runs, spans = got["runs"], got.get("spans", {})
+        busy = sum(r[1] for r in runs.values())
+        lines = [
+            f"notebooks: {len(runs)} in {got['wall']:.0f} s wall, {got['jobs']} at a time at "
+            f"nice {NOTEBOOK_NICE}, {busy:.0f} s of notebook time, {got.get('cpu', 0):.0f} CPU-s; "
+            f"the other tests ended {self.others_ended or 0:.0f} s after they started"
+        ]
+        longest = sorted(runs, key=lambda p: -runs[p][1])[:12]
+        for path in longest:
+            span = spans.get(path, [0.0, 0.0])
+            lines.append(
+                f"  {runs[path][1]:6.1f} s  {os.path.basename(path)}  "
+                f"(ran {span[0]:.0f}-{span[-1]:.0f} s)"
+            )
+        return lines
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -124,6 +156,7 @@ def notebook_batch(request: pytest.FixtureRequest, tmp_path_factory: pytest.Temp
     ]
     paths.sort(key=lambda p: -os.path.getsize(p))  # the last one to start is a short one
     batch = NotebookBatch(paths, str(tmp_path_factory.mktemp("notebooks")))
+    _batch.append(batch)
     # held by hand: the hook that does it for other fixtures never sees a session-scoped one
     # (conftest.py is below the rootdir, the session's node is not)
     runner = key(batch.proc.pid) if batch.proc is not None else None
@@ -229,6 +262,15 @@ def _report(session: pytest.Session, title: str, msg: str, fail: bool = True) ->
         print(msg, file=sys.stderr)
     if fail:
         session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Per part of the run: the notebooks' times beside the other tests' (CI's log shows them)."""
+    lines = _batch[0].summary() if _batch else []
+    if lines:
+        terminalreporter.write_sep("=", "notebooks beside the other tests")
+        for line in lines:
+            terminalreporter.write_line(line)
 
 
 @pytest.hookimpl(trylast=True)

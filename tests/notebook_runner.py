@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import multiprocessing.resource_tracker
 import os
+import resource
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,16 +35,29 @@ def main(out: str, jobs: int, paths: list[str]) -> None:
     become_subreaper()
     os.nice(NICE)  # inherited by the kernels and ranks the notebooks start
     t0 = time.perf_counter()
+    spans: dict[str, list[float]] = {}  # path -> [started, ended], seconds after t0
+
+    def run(path: str) -> tuple[bool, float, str]:
+        spans[path] = [time.perf_counter() - t0]
+        try:
+            return run_notebook(path, 600, SAVE_DIR)
+        finally:
+            spans[path].append(time.perf_counter() - t0)
+
     with ThreadPoolExecutor(jobs) as pool:
-        runs = list(pool.map(lambda p: run_notebook(p, 600, SAVE_DIR), paths))
+        runs = list(pool.map(run, paths))
     tracker = getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None)
     left = wait_gone({k for k in descendants(os.getpid()) if k[0] != tracker}, 5.0)
     named = describe(left) if left else ""
     end(left)
+    used = [resource.getrusage(who) for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     result = {
         "wall": time.perf_counter() - t0,
         "jobs": jobs,
         "runs": {p: list(r) for p, r in zip(paths, runs)},
+        "spans": spans,
+        # CPU seconds of this process and every descendant it reaped (kernels, ranks)
+        "cpu": sum(u.ru_utime + u.ru_stime for u in used),
         "left": named,
     }
     with open(out + ".part", "w") as f:

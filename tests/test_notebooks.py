@@ -26,17 +26,10 @@ def test_there_are_notebooks():
 
 
 @pytest.fixture(scope="module")
-def notebook_results(notebook_batch, request: pytest.FixtureRequest) -> dict[str, list]:
+def notebook_results(notebook_batch) -> dict[str, list]:
     """Every selected notebook's run_notebook result, path -> (ok, seconds, error), from the
     batch conftest's `notebook_batch` started beside the other tests."""
-    got = notebook_batch.results()
-    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
-    if reporter is not None:
-        busy = sum(r[1] for r in got["runs"].values())
-        reporter.write_line(
-            f"\nnotebooks: {len(got['runs'])} in {got['wall']:.0f} s wall, {got['jobs']} at a "
-            f"time beside the other tests ({busy:.0f} s of notebook time)"
-        )
+    got = notebook_batch.results()  # conftest's terminal summary reports their times
     assert not got["left"], f"the notebooks left processes running (now ended):\n{got['left']}"
     return got["runs"]
 
