@@ -5,9 +5,8 @@ its test extras in editable mode, then runs the command (lab, test, bench, check
 
 - lab:   JupyterLab on notebooks/ (http://127.0.0.1:8888)
 - test:  the test suite (installs Debian's chromium and Slurm for their tests when it can);
-         with LABKIT_TEST_BESIDE=1 a whole run (no test path given) runs the tests that mostly
-         wait (`BESIDE_TESTS`) in a second pytest beside the others, for machines with cores to
-         spare (on 2 cores it saved nothing and slowed the notebooks beside the tests)
+         with LABKIT_TEST_BESIDE=1 (CI's) a whole run (no test path given) runs the tests that
+         mostly wait (`BESIDE_TESTS`) in a second pytest beside the others
 - bench: the performance benchmark (python -m labkit.tools.bench)
 - check: every notebook top to bottom (labkit check)
 - docs:  the course site into build/site/ (scripts/build_site.py), from the notebooks that
@@ -70,11 +69,13 @@ RANGE_TESTS = [
 
 
 # Tests that mostly wait (for a browser, a Jupyter server, torchrun's agents, Slurm, a terminal,
-# a node's death): with LABKIT_TEST_BESIDE=1 a whole `test` run gives them a pytest of their own
-# beside the others', so their waiting overlaps the others' computing. Off by default: on CI's
-# 2 cores the others took 1623 s beside them against 1555 s for everything in one queue (an
-# earlier, smaller suite; the machine is CPU-bound), and notebook 31's measured bubble, run
-# beside both, left its band.
+# a node's death, a straggler's sleep, a watchdog): with LABKIT_TEST_BESIDE=1 (CI sets it) a
+# whole `test` run gives them a pytest of their own beside the others', so their waiting
+# overlaps the others' computing. A run without it (2026-11-27, 2 cores) kept the CPU busy
+# while the notebooks ran and left it 30-70 % idle for the second half, the other tests alone;
+# its waits were these files' (about half of the tests' time: browser 504 s, attach 202 s,
+# faults 74 s, stragglers 64 s, multihost 50 s, ...). The whole suite also passes with two
+# busy loops beside it, a heavier neighbour than this pytest.
 BESIDE_TESTS = [
     "tests/test_browser.py",
     "tests/test_browser_views.py",
@@ -83,6 +84,10 @@ BESIDE_TESTS = [
     "tests/test_multihost.py",
     "tests/test_slurm.py",
     "tests/test_terminal.py",
+    "tests/test_faults.py",
+    "tests/test_stragglers.py",
+    "tests/test_debugger.py",
+    "tests/test_progress.py",
 ]
 # pytest options whose value is the next argument and may name a test path without selecting it
 PATH_VALUED = {"--deselect", "--ignore", "--ignore-glob", "--rootdir", "-c", "--confcutdir"}
