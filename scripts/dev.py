@@ -69,13 +69,13 @@ RANGE_TESTS = [
 
 
 # Tests that mostly wait (for a browser, a Jupyter server, torchrun's agents, Slurm, a terminal,
-# a node's death, a straggler's sleep, a watchdog): with LABKIT_TEST_BESIDE=1 (CI sets it) a
-# whole `test` run gives them a pytest of their own beside the others', so their waiting
-# overlaps the others' computing. A run without it (2026-11-27, 2 cores) kept the CPU busy
-# while the notebooks ran and left it 30-70 % idle for the second half, the other tests alone;
-# its waits were these files' (about half of the tests' time: browser 504 s, attach 202 s,
-# faults 74 s, stragglers 64 s, multihost 50 s, ...). The whole suite also passes with two
-# busy loops beside it, a heavier neighbour than this pytest.
+# a node's death, a straggler's sleep, a watchdog), and a few others to even the two parts
+# out: with LABKIT_TEST_BESIDE=1 (CI sets it) a whole `test` run gives them a pytest of their
+# own beside the others', so their waiting overlaps the others' computing. On 2 cores
+# (2026-11-27): one queue took 2068 s, the CPU busy while the notebooks ran and 30-70 % idle
+# in the second half (the browser tests' waits among it); with the first 11 files beside,
+# 1879 s (the beside part ended at 1478 s, so 4 more files moved there). The whole suite also
+# passes with two busy loops beside it, a heavier neighbour than this pytest.
 BESIDE_TESTS = [
     "tests/test_browser.py",
     "tests/test_browser_views.py",
@@ -88,6 +88,10 @@ BESIDE_TESTS = [
     "tests/test_stragglers.py",
     "tests/test_debugger.py",
     "tests/test_progress.py",
+    "tests/test_failures.py",
+    "tests/test_checkpoint_scale.py",
+    "tests/test_parallel_uneven.py",
+    "tests/test_checkers_stubs.py",
 ]
 # pytest options whose value is the next argument and may name a test path without selecting it
 PATH_VALUED = {"--deselect", "--ignore", "--ignore-glob", "--rootdir", "-c", "--confcutdir"}
