@@ -16,9 +16,12 @@ This module never imports IPython, ipywidgets or plotly.
 
 from __future__ import annotations
 
+import faulthandler
 import os
+import re
 import sys
 import sysconfig
+import tempfile
 import threading
 import traceback
 from types import FrameType
@@ -56,14 +59,52 @@ def _start(fs: traceback.FrameSummary) -> bool:
     )
 
 
-def running_line(main: FrameType | None = None) -> int | None:
-    """The line of the cell the main thread runs now (the outermost cell frame's), or None."""
-    frame = main or sys._current_frames().get(threading.main_thread().ident)
-    line = None
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(CELL_PREFIX):
-            line = frame.f_lineno
-        frame = frame.f_back
+def running_line() -> int | None:
+    """The line of the cell the main thread runs now (the outermost cell frame's), or None.
+
+    Read from faulthandler's dump of the threads' stacks, which C code writes from the
+    interpreter's own frames while this thread holds the GIL, not by walking the running main
+    thread's frame objects from this one: that walk (`sys._current_frames()`, then `f_back`),
+    done by the heartbeat four times a second, once killed a rank with SIGSEGV on Python 3.11
+    (a known class of 3.11 crashes when another thread's frames are read while it runs)."""
+    text = _dump_threads()
+    return cell_line(text, threading.main_thread().ident) if text else None
+
+
+_dump: tuple[int, object] | None = None  # (pid, an unlinked temporary file) for the dumps
+_dump_lock = threading.Lock()
+_THREAD = re.compile(r"^(?:Current thread|Thread) 0x([0-9a-f]+)")
+_FILE_LINE = re.compile(r'^\s+File "(.*)", line (\d+) in ')
+
+
+def _dump_threads() -> str:
+    global _dump
+    with _dump_lock:
+        try:
+            if _dump is None or _dump[0] != os.getpid():  # a forked child gets a file of its own
+                _dump = (os.getpid(), tempfile.TemporaryFile())
+            f = _dump[1]
+            f.seek(0)
+            f.truncate()
+            faulthandler.dump_traceback(f, all_threads=True)
+            f.seek(0)
+            return f.read().decode(errors="replace")
+        except (OSError, ValueError):  # no temporary file to be had: no line, the rank goes on
+            return ""
+
+
+def cell_line(dump: str, ident: int | None) -> int | None:
+    """In faulthandler's text, the line of the outermost cell frame of thread `ident` (its
+    frames come most recent first, so the last cell frame listed is the outermost)."""
+    line, inside = None, False
+    for text in dump.splitlines():
+        head = _THREAD.match(text)
+        if head:
+            inside = int(head.group(1), 16) == ident
+            continue
+        found = _FILE_LINE.match(text) if inside else None
+        if found and found.group(1).startswith(CELL_PREFIX):
+            line = int(found.group(2))
     return line
 
 
