@@ -5,8 +5,8 @@ its test extras in editable mode, then runs the command (lab, test, bench, check
 
 - lab:   JupyterLab on notebooks/ (http://127.0.0.1:8888)
 - test:  the test suite (installs Debian's chromium and Slurm for their tests when it can);
-         with LABKIT_TEST_BESIDE=1 (CI's) a whole run (no test path given) runs the tests that
-         mostly wait (`BESIDE_TESTS`) in a second pytest beside the others
+         with LABKIT_TEST_BESIDE=1 a whole run (no test path given) runs the tests that mostly
+         wait (`BESIDE_TESTS`) in a second pytest beside the others (not CI's: see below)
 - bench: the performance benchmark (python -m labkit.tools.bench)
 - check: every notebook top to bottom (labkit check)
 - docs:  the course site into build/site/ (scripts/build_site.py), from the notebooks that
@@ -70,12 +70,14 @@ RANGE_TESTS = [
 
 # Tests that mostly wait (for a browser, a Jupyter server, torchrun's agents, Slurm, a terminal,
 # a node's death, a straggler's sleep, a watchdog), and a few others to even the two parts
-# out: with LABKIT_TEST_BESIDE=1 (CI sets it) a whole `test` run gives them a pytest of their
-# own beside the others', so their waiting overlaps the others' computing. On 2 cores
-# (2026-11-27): one queue took 2068 s, the CPU busy while the notebooks ran and 30-70 % idle
-# in the second half (the browser tests' waits among it); with the first 11 files beside,
-# 1879 s (the beside part ended at 1478 s, so 4 more files moved there). The whole suite also
-# passes with two busy loops beside it, a heavier neighbour than this pytest.
+# out: with LABKIT_TEST_BESIDE=1 a whole `test` run gives them a pytest of their own beside the
+# others', so their waiting overlaps the others' computing. Opt-in, not CI's: on 2 cores
+# (2026-11-27, fresh checkouts) one queue took 2068 s (the CPU 30-70 % idle in its second
+# half); with the first 11 files beside 1879 s, with all 15 1820 s and 1857 s, but two of those
+# three runs failed tests that pass in one queue and beside two busy loops (FSDP2's measured
+# peak one unit higher in all 3 passes; notebook 40's interleaved bubble out of its band):
+# the second pytest's tests, ranks and kernels interleave with theirs more finely than busy
+# loops do. docs/testing.md has the figures.
 BESIDE_TESTS = [
     "tests/test_browser.py",
     "tests/test_browser_views.py",
