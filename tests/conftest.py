@@ -86,7 +86,6 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 NOTEBOOK_JOBS = max(1, int(os.environ.get("LABKIT_NOTEBOOK_JOBS", "2")))
-NOTEBOOK_NICE = 10  # tests/notebook_runner.py's
 _batch: list[NotebookBatch] = []  # this session's, for the terminal summary
 
 
@@ -125,7 +124,8 @@ class NotebookBatch:
         busy = sum(r[1] for r in runs.values())
         lines = [
             f"notebooks: {len(runs)} in {got['wall']:.0f} s wall, {got['jobs']} at a time at "
-            f"nice {NOTEBOOK_NICE}, {busy:.0f} s of notebook time, {got.get('cpu', 0):.0f} CPU-s; "
+            f"nice {got.get('nice')}, {busy:.0f} s of notebook time, "
+            f"{got.get('cpu', 0):.0f} CPU-s; "
             f"the other tests ended {self.others_ended or 0:.0f} s after they started"
         ]
         longest = sorted(runs, key=lambda p: -runs[p][1])[:12]

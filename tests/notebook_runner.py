@@ -54,6 +54,7 @@ def main(out: str, jobs: int, paths: list[str]) -> None:
     result = {
         "wall": time.perf_counter() - t0,
         "jobs": jobs,
+        "nice": NICE,
         "runs": {p: list(r) for p, r in zip(paths, runs)},
         "spans": spans,
         # CPU seconds of this process and every descendant it reaped (kernels, ranks)

@@ -67,8 +67,7 @@ def running_line() -> int | None:
     thread's frame objects from this one: that walk (`sys._current_frames()`, then `f_back`),
     done by the heartbeat four times a second, once killed a rank with SIGSEGV on Python 3.11
     (a known class of 3.11 crashes when another thread's frames are read while it runs)."""
-    text = _dump_threads()
-    return cell_line(text, threading.main_thread().ident) if text else None
+    return cell_line(_dump_threads(), threading.main_thread().ident)
 
 
 _dump: tuple[int, object] | None = None  # (pid, an unlinked temporary file) for the dumps
