@@ -8,9 +8,11 @@
   to ORPHAN_WAIT s), then named with their command lines, ended, and the test errors. Processes
   started while a module- or session-scoped fixture was set up (a module's lab: its fork
   server and ranks, including ranks a test restarts) belong to that fixture: they are checked
-  when it is torn down instead. At the end of the session, any descendant still running fails
-  the run. The test process is a child subreaper (tests/processes.py), so an orphan whose
-  parent died is still seen here rather than adopted by init.
+  when it is torn down instead. labkit's spare fork server (a stopped lab's, kept for the next
+  Lab) lives as long as the test process by design; it is closed at the end of the session,
+  and then any descendant still running fails the run. The test process is a child subreaper
+  (tests/processes.py), so an orphan whose parent died is still seen here rather than adopted
+  by init.
 - Stop: the tests press it as a notebook does, with `_thread.interrupt_main()` (SIGINT to the
   kernel, which ipykernel handles). That does nothing while SIGINT is ignored, as it is in a
   test run started in the background by a non-interactive shell (`cmd &`, nohup), so the suite
@@ -52,6 +54,7 @@ from processes import (  # noqa: E402
 )
 
 from labkit.kernel.inspection import log_dirs  # noqa: E402
+from labkit.kernel.launch import spawn  # noqa: E402
 
 __all__ = ["pid_alive"]
 
@@ -178,8 +181,14 @@ def _helpers() -> set[int]:
     pids = {
         getattr(multiprocessing.resource_tracker._resource_tracker, "_pid", None),
         forkserver_pid(),  # run_ranks' ranks are forked from it
+        _spare_pid(),  # labkit's spare fork server: kept for the next Lab by design
     }
     return {p for p in pids if p}
+
+
+def _spare_pid() -> int | None:
+    server = spawn._spare
+    return server.proc.pid if server is not None else None
 
 
 def _others(procs: dict) -> set[Key]:
@@ -279,6 +288,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
     file of labkit's still there is named and fails the run (LABKIT_STRICT_FILES=0 only names
     it: for a run that is meant to leave them, e.g. one stopped half-way)."""
     stop_forkserver()
+    spawn.close_spare()
     helpers = _helpers()
     left = wait_gone({k for k in descendants() if k[0] not in helpers}, ORPHAN_WAIT)
     if left:

@@ -206,8 +206,9 @@ def test_stop_during_start_up_leaves_no_ranks():
                 lab.restart()
             usable(lab)
     finally:
+        forked = list(lab.server.spawned.values())  # forgotten at the stop (the server is reused)
         lab.stop()
-    assert gone(list(lab.server.spawned.values()))
+    assert gone(forked)
 
 
 # -- start-up and lifecycle ------------------------------------------------------------------

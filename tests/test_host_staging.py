@@ -237,13 +237,10 @@ def test_staging_cost_script_times_both_copies_per_mib(capsys):
 def test_the_environment_switch_stages_cpu_tensors_in_every_rank(monkeypatch):
     """LABKIT_STAGE_DEVICE_TYPES=cpu (a developers' switch) makes a lab's ranks stage CPU tensors
     as they stage CUDA ones, so the curriculum's staged paths run on CPU ranks."""
-    from labkit.kernel.launch import spawn
 
-    monkeypatch.setenv(host_staging.ENV, "cpu")
-    with spawn._spare_lock:  # a spare fork server started earlier has the old environment
-        stale, spawn._spare = spawn._spare, None
-    if stale is not None:
-        stale.close()
+    monkeypatch.setenv(
+        host_staging.ENV, "cpu"
+    )  # a spare fork server is not used: it has the old one
     with labkit.Lab(N, device="cpu") as lab:
         got = lab.run(
             "from labkit.rank import host_staging\n"

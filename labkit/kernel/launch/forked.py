@@ -143,4 +143,5 @@ class ForkedRanks(RankLauncher):
                 server.wait_exited(pids, timeout=5)
         self.pids = {}
         if server is not None:
-            server.close()
+            self._server = None
+            spawn.release(server)  # the next Lab's, when clean

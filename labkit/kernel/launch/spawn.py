@@ -2,13 +2,18 @@
 
 A fork server is started with `sys.executable -m labkit.rank.fork_server` in its own session (so a
 terminal's Ctrl-C does not hit it), with stderr going to a log file. A reader thread parses its
-messages (JSON lines, typed in `labkit.wire.messages`); rank exits are handed to `on_exit`. One
-spare server is kept warm after `prewarm()`, so the next `Lab` pays for a fork, not for
-importing torch.
+messages (JSON lines, typed in `labkit.wire.messages`); rank exits are handed to `on_exit`.
+
+One spare server is kept warm, so the next `Lab` pays for a fork, not for importing torch: the
+one `prewarm()` starts, or the server of a lab that stopped cleanly (`release`: all its ranks
+forked, reported and exited). A spare is used only while the kernel's working directory and
+environment are those it was started with (the ranks inherit them from it); otherwise it is
+closed and a new one started. The spare is closed when the kernel exits.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -31,8 +36,19 @@ from labkit.wire.messages import (
 )
 
 
+def _origin() -> tuple[str, dict[str, str]]:
+    """What a fork server's ranks inherit from the kernel as it was when the server started."""
+    try:
+        cwd = os.getcwd()
+    except OSError:  # the directory was removed
+        cwd = ""
+    return cwd, dict(os.environ)
+
+
 class ForkServer:
     def __init__(self) -> None:
+        self.origin = _origin()
+        self.owner = os.getpid()  # the kernel (a process forked from it must not close it)
         root = os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
@@ -49,6 +65,7 @@ class ForkServer:
         self.facts: ServerHello | None = None
         self.warm = False  # its warm-up imports (labkit.rank.fork_server.warm_up) are done
         self.spawned: dict[tuple[int, int], int] = {}  # (gen, rank) -> pid
+        self.asked = 0  # spawn commands sent (a clean server has reported as many `spawned`)
         # generations ended while starting (Stop, an error): a rank of one reported later
         # (forked after the kill was decided, on a busy machine) is killed when it is reported
         self.ended_gens: set[int] = set()
@@ -121,6 +138,8 @@ class ForkServer:
 
     def spawn(self, cfg: RankConfig) -> None:
         """Fork one rank (`cfg` was checked when it was built, in the kernel)."""
+        with self.cond:
+            self.asked += 1
         self._send(SpawnCommand(cmd="spawn", cfg=cfg.to_wire()))
 
     def wait_pids(self, gen: int, ranks: list[int], timeout: float = 10.0) -> dict[int, int]:
@@ -152,6 +171,24 @@ class ForkServer:
                     return False
                 self.cond.wait(min(left, 0.05))
         return True
+
+    def reset(self) -> bool:
+        """Forget the ranks of the lab that used this server, if it is clean: alive, every rank
+        asked for forked and reported, every one reported exited (so no late message of that lab
+        can reach the next one's). False, and nothing forgotten, otherwise."""
+        with self.cond:
+            clean = (
+                self.alive()
+                and self.asked == len(self.spawned)
+                and all(pid in self.exited for pid in self.spawned.values())
+            )
+            if clean:
+                self.spawned.clear()
+                self.exited.clear()
+                self.ended_gens.clear()
+                self.asked = 0
+                self.on_exit = None
+            return clean
 
     def close(self) -> None:
         if self.alive():
@@ -187,10 +224,35 @@ def prewarm() -> None:
 
 
 def take() -> ForkServer:
-    """A started fork server: the warm spare if there is one, else a new one."""
+    """A started fork server: the spare if it is alive and was started from the kernel's
+    present working directory and environment, else a new one."""
     global _spare
     with _spare_lock:
         server, _spare = _spare, None
-    if server is not None and server.alive():
+    if server is not None and server.alive() and server.origin == _origin():
         return server
+    if server is not None:
+        server.close()
     return ForkServer()
+
+
+def release(server: ForkServer) -> None:
+    """Keep a stopped lab's fork server as the spare when it is clean (`ForkServer.reset`) and
+    there is no live spare already; close it otherwise."""
+    global _spare
+    keep = server.reset()
+    with _spare_lock:
+        if keep and (_spare is None or not _spare.alive()):
+            server, _spare = _spare, server  # close the dead spare instead, if any
+    if server is not None:
+        server.close()
+
+
+@atexit.register
+def close_spare() -> None:
+    """Close the spare (at the kernel's exit; tests call it to end their run cleanly)."""
+    global _spare
+    with _spare_lock:
+        server, _spare = _spare, None
+    if server is not None and server.owner == os.getpid():
+        server.close()
