@@ -118,8 +118,11 @@ def test_reshard_4_to_2_bitwise(lab, four):
     files = sorted(os.listdir(path))
     assert files == [".metadata"] + [f"__{r}_0.distcp" for r in range(4)]
     full4, exp4, one = results[0]["save"]
-    for name, p in one.items():  # FSDP2 on 4 ranks = one process on the whole batch
-        assert (full4[name] - p.detach()).abs().max() < 1e-6, name
+    # FSDP2 on 4 ranks = one process on the whole batch, up to rounding that Adam enlarges
+    # where a gradient element nearly cancels: 1.9e-6 at most on an AVX-512 Xeon (under 1e-6
+    # on others); a rank's own batch alone is 0.06 off, a summed loss 0.004 (2026-11-27)
+    for name, p in one.items():
+        assert (full4[name] - p.detach()).abs().max() < 2e-5, name
     loaded = _on(lab, lambda rank: _load2(rank, path), ranks="0,1")
     assert len(loaded) == 2
     for rank, (full2, exp2, shapes, reads) in enumerate(loaded):

@@ -233,7 +233,11 @@ def _fsdp_peak_rank(rank: int, world_size: int) -> dict:
     opt.zero_grad()
     before = zero_redundancy.measure_state_bytes(model, opt)
     peaks = []
-    for _ in range(3):  # gloo frees its buffers from its own threads: the least of 3 peaks
+    floor = zero_redundancy.fsdp_peak_bytes(4 * (256 * 256 + 256), world_size, activations=0)
+    # the profiler misses the frees gloo's own thread makes, so a pass can only read too high:
+    # up to 8 passes, until one reads at most a few activations above the floor (the test
+    # checks the least; on a busy machine gloo's thread drops a buffer last more often)
+    while len(peaks) < 8 and (len(peaks) < 3 or min(peaks) > floor + 8 * 1024):
         opt.zero_grad()
         with zero_redundancy.AllocationPeak() as backward:
             model(x).square().mean().backward()
@@ -253,8 +257,10 @@ def test_fsdp2_peak_holds_gathered_units_and_unsharded_grads():
     reduce-scatter's output U/4 = 4U + U/4 = 1,118,464 bytes above the sharded weights and
     Adam state, plus activations: at most 7 tensors of 1,024 bytes live (the 2 hidden
     linear inputs and the output saved, gradients in flight and being made) and scalars.
-    Every one of 3 backward passes peaks at least there; gloo frees some buffers from its own
-    threads, so on a busy machine a pass can peak higher: the least of the 3 must match.
+    Every backward pass peaks at least there; the profiler misses the frees made by gloo's own
+    threads, so on a busy machine a pass can read a unit higher (a whole run with a
+    second pytest beside this one read 1,384,712 in 3 of 3 passes): the least of 3 to 8 passes
+    must match.
     The old claim (the peak is the table's 16·Psi/N) fails by more than a factor 2."""
     unit, n = 4 * (256 * 256 + 256), 4
     psi = 3 * unit // 4  # elements
