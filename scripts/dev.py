@@ -5,8 +5,8 @@ its test extras in editable mode, then runs the command (lab, test, bench, check
 
 - lab:   JupyterLab on notebooks/ (http://127.0.0.1:8888)
 - test:  the test suite (installs Debian's chromium and Slurm for their tests when it can);
-         with LABKIT_TEST_BESIDE=1 a whole run (no test path given) runs the tests that mostly
-         wait (`BESIDE_TESTS`) in a second pytest beside the others (not CI's: see below)
+         a whole run (no test path given) runs the tests that mostly wait (`BESIDE_TESTS`) in
+         a second pytest beside the others (LABKIT_TEST_BESIDE=0: one pytest)
 - bench: the performance benchmark (python -m labkit.tools.bench)
 - check: every notebook top to bottom (labkit check)
 - docs:  the course site into build/site/ (scripts/build_site.py), from the notebooks that
@@ -70,14 +70,10 @@ RANGE_TESTS = [
 
 # Tests that mostly wait (for a browser, a Jupyter server, torchrun's agents, Slurm, a terminal,
 # a node's death, a straggler's sleep, a watchdog), and a few others to even the two parts
-# out: with LABKIT_TEST_BESIDE=1 a whole `test` run gives them a pytest of their own beside the
-# others', so their waiting overlaps the others' computing. Opt-in, not CI's: on 2 cores
-# (2026-11-27, fresh checkouts) one queue took 2068 s (the CPU 30-70 % idle in its second
-# half); with the first 11 files beside 1879 s, with all 15 1820 s and 1857 s, but two of those
-# three runs failed tests that pass in one queue and beside two busy loops (FSDP2's measured
-# peak one unit higher in all 3 passes; notebook 40's interleaved bubble out of its band):
-# the second pytest's tests, ranks and kernels interleave with theirs more finely than busy
-# loops do. docs/testing.md has the figures.
+# out: a whole `test` run gives them a pytest of their own beside the others', so their waiting
+# overlaps the others' computing (LABKIT_TEST_BESIDE=0: one pytest). docs/testing.md has the
+# figures: since a stopped lab's fork server is reused, a run uses half the CPU it did and the
+# second half of a one-queue run left the CPU mostly idle.
 BESIDE_TESTS = [
     "tests/test_browser.py",
     "tests/test_browser_views.py",
@@ -115,7 +111,7 @@ def selects_tests(args: list[str]) -> bool:
 def run_tests(rest: list[str]) -> int:
     """pytest with `rest`; for a whole run, BESIDE_TESTS in a second pytest running alongside."""
     pytest = [PY, "-m", "pytest"]
-    if os.environ.get("LABKIT_TEST_BESIDE") != "1" or selects_tests(rest):
+    if os.environ.get("LABKIT_TEST_BESIDE") == "0" or selects_tests(rest):
         return subprocess.call([*pytest, *rest])
     log = os.path.join(ROOT, "build", "test-beside.log")
     os.makedirs(os.path.dirname(log), exist_ok=True)

@@ -1,5 +1,5 @@
-"""scripts/dev.py test's split (LABKIT_TEST_BESIDE=1): the tests that mostly wait in a pytest of
-their own.
+"""scripts/dev.py test's split (the default; LABKIT_TEST_BESIDE=0 turns it off): the tests that
+mostly wait in a pytest of their own.
 
 pytest is replaced by a script that prints its arguments and exits with the code an argument
 asks for, so the test sees exactly which two commands dev.py runs and how it joins their results.
@@ -33,7 +33,7 @@ def dev(tmp_path, monkeypatch):
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setattr(module, "PY", str(fake))
     monkeypatch.setattr(module, "ROOT", str(tmp_path))
-    monkeypatch.setenv("LABKIT_TEST_BESIDE", "1")
+    monkeypatch.delenv("LABKIT_TEST_BESIDE", raising=False)  # the default: split
     return module
 
 
@@ -75,10 +75,10 @@ def test_a_part_that_selects_nothing_does_not_fail_the_other(dev):
     assert dev.run_tests(["-k", "others-select-none"]) == 0
 
 
-def test_selecting_tests_or_the_default_runs_one_pytest(dev, capfd, monkeypatch):
+def test_selecting_tests_or_opting_out_runs_one_pytest(dev, capfd, monkeypatch):
     monkeypatch.chdir(ROOT)
     assert dev.run_tests(["tests/test_core.py"]) == 0
-    monkeypatch.delenv("LABKIT_TEST_BESIDE")  # the default: one pytest
+    monkeypatch.setenv("LABKIT_TEST_BESIDE", "0")  # one pytest
     assert dev.run_tests(["-q"]) == 0
     ran = [line for line in capfd.readouterr().out.splitlines() if line.startswith("ran:")]
     assert ran == ["ran: -m pytest tests/test_core.py", "ran: -m pytest -q"]
