@@ -140,7 +140,8 @@ class Lab(DataRequests):
 
     @property
     def server(self) -> Any:
-        """The fork server handle (None for ranks started by torchrun)."""
+        """The fork server handle (None for ranks started by torchrun, and after `stop()`: a
+        cleanly stopped lab's server is kept for the next `Lab`)."""
         return self.launcher.server
 
     @property
@@ -256,8 +257,9 @@ class Lab(DataRequests):
             return self
 
     def stop(self) -> None:
-        """End the ranks (and the fork server) and close the channel. Kernel side; safe to call
-        twice. Example: ``lab.stop()`` (or ``with labkit.Lab(2) as lab: ...``)."""
+        """End the ranks and close the channel; the fork server is kept for the next `Lab` when
+        every rank it forked has exited, else closed. Kernel side; safe to call twice.
+        Example: ``lab.stop()`` (or ``with labkit.Lab(2) as lab: ...``)."""
         global _current
         with self._lock:
             if self.closed:
