@@ -13,7 +13,6 @@ one, or ahead of time through `prewarm()`.
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 __version__ = "0.1.0"
@@ -91,10 +90,12 @@ def prewarm() -> None:
     """Start a fork server now (it imports torch), so the next `Lab(n)` only forks. Kernel side.
 
     `%load_ext labkit` calls it; call it yourself when you use the Python API without the
-    magics. LABKIT_PREWARM=0 turns it off (a benchmark measuring a cold start sets it).
+    magics. A lab that stops cleanly also keeps its server for the next `Lab`. The spare is an
+    idle process with torch imported (a few hundred MB) until the kernel exits;
+    LABKIT_PREWARM=0 keeps none (a benchmark measuring a cold start sets it).
     Example: ``labkit.prewarm()`` at the top of a script, then ``labkit.Lab(4)`` later.
     """
-    if os.environ.get("LABKIT_PREWARM", "1") != "0":
-        from labkit.kernel.launch import spawn
+    from labkit.kernel.launch import spawn
 
+    if spawn.keeps_spare():
         spawn.prewarm()

@@ -7,6 +7,8 @@ kernel's working directory and environment are those it started with: its ranks 
 from __future__ import annotations
 
 import os
+import signal
+import time
 
 import pytest
 
@@ -16,19 +18,19 @@ from labkit.kernel.launch import spawn
 pytestmark = pytest.mark.timeout(180)
 
 
-def _fresh_spare() -> spawn.ForkServer:
-    """A lab run and stopped: its server is the spare (any older spare closed first)."""
+def _fresh_spare() -> tuple[spawn.ForkServer, set[int]]:
+    """A lab run and stopped: its server is the spare (any older spare closed first); the
+    server and the pids of that lab's ranks."""
     spawn.close_spare()
     with labkit.Lab(2, device="cpu") as lab:
-        server = lab.server
+        server, pids = lab.server, set(lab.pids.values())
         assert lab.run("rank").values_by_rank == {0: 0, 1: 1}
     assert spawn._spare is server and server.alive()
-    return server
+    return server, pids
 
 
 def test_the_next_lab_forks_from_the_stopped_labs_server():
-    server = _fresh_spare()
-    first = {*server.exited}  # the first lab's ranks, exited
+    server, first = _fresh_spare()
     with labkit.Lab(2, device="cpu") as lab:
         assert lab.server is server and spawn._spare is None
         # the new lab's ranks, not the old lab's (same generation numbers: forgotten at the stop)
@@ -43,7 +45,7 @@ def test_the_next_lab_forks_from_the_stopped_labs_server():
 
 
 def test_a_changed_environment_or_directory_starts_a_new_server(monkeypatch, tmp_path):
-    server = _fresh_spare()
+    server, _ = _fresh_spare()
     monkeypatch.setenv("LABKIT_TEST_SPARE", "seen")
     with labkit.Lab(2, device="cpu") as lab:
         assert lab.server is not server and not server.alive()  # the stale one is closed
@@ -69,17 +71,54 @@ def test_a_server_with_a_rank_not_accounted_for_is_closed_not_kept():
     assert spawn._spare is None and not server.alive()
 
 
+def test_a_killed_generation_is_forgotten_with_its_lab():
+    """kill() (how a stuck start-up is recovered) marks the lab's generation ended, so a rank
+    of it reported later is killed at once; the next lab numbers its generations from 1 again
+    and must not inherit that mark."""
+    spawn.close_spare()
+    lab = labkit.Lab(2, device="cpu")
+    server, gen = lab.server, lab.channel.gen
+    lab.launcher.kill()
+    assert gen in server.ended_gens
+    lab.stop()
+    assert spawn._spare is server
+    with labkit.Lab(2, device="cpu") as again:
+        assert again.server is server and again.channel.gen == gen
+        assert again.run("rank").values_by_rank == {0: 0, 1: 1}
+    spawn.close_spare()
+
+
 def test_a_forked_child_of_the_kernel_leaves_the_spare_alone():
-    server = _fresh_spare()
+    server, _ = _fresh_spare()
     pid = os.fork()
-    if pid == 0:  # what a child's atexit would do
+    if pid == 0:  # what the child's atexit does
         try:
             spawn.close_spare()
         finally:
             os._exit(0)
     os.waitpid(pid, 0)
-    assert server.alive()
+    assert server.alive() and os.path.exists(server.log_path)
     with labkit.Lab(2, device="cpu") as lab:
         assert lab.server is server
         assert lab.run("rank").values_by_rank == {0: 0, 1: 1}
+    spawn.close_spare()
+
+
+def test_a_failing_exit_handler_leaves_the_servers_reader_running(capfd):
+    """The reader thread hands each exit to the lab's handler; one that raises (or a handler
+    cleared by a stop at that moment) must not end the thread a reused server depends on."""
+    spawn.close_spare()
+    with labkit.Lab(2, device="cpu") as lab:
+        server, pid = lab.server, lab.pids[1]
+
+        def broken(*_: object) -> None:
+            raise RuntimeError("handler broke")
+
+        server.on_exit = broken
+        server.signal([pid], signal.SIGKILL)
+        assert server.wait_exited([pid], timeout=30)
+        deadline = time.monotonic() + 10
+        while "handler broke" not in capfd.readouterr().err and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert server.reader.is_alive()
     spawn.close_spare()

@@ -219,7 +219,7 @@ class LabMagics(Magics):
 
     @magic_arguments("lab stop")
     def _lab_stop(self, args: argparse.Namespace) -> None:
-        """End the ranks and their fork server."""
+        """End the ranks; their fork server is kept for the next lab when it is clean."""
         lab_module.current().stop()
         print("lab stopped")
 

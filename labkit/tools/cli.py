@@ -183,7 +183,7 @@ def doctor() -> dict[str, Any]:
     try:
         facts = server.wait_facts()
     finally:
-        server.close()
+        spawn.release(server)  # in a kernel, the spare for its next Lab
     facts = dict(facts)
     facts["Lab() would choose"] = choose(None, "auto", "auto", facts).reason
     facts.update(torch_support(facts["torch"]))

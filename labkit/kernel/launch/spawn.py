@@ -6,9 +6,11 @@ messages (JSON lines, typed in `labkit.wire.messages`); rank exits are handed to
 
 One spare server is kept warm, so the next `Lab` pays for a fork, not for importing torch: the
 one `prewarm()` starts, or the server of a lab that stopped cleanly (`release`: all its ranks
-forked, reported and exited). A spare is used only while the kernel's working directory and
-environment are those it was started with (the ranks inherit them from it); otherwise it is
-closed and a new one started. The spare is closed when the kernel exits.
+forked, reported and exited). A spare is used only while what its ranks inherit from it is
+what the kernel has now (working directory, environment, umask, nice level, CPUs, resource
+limits: `_origin`); otherwise it is closed and a new one started. Code changed on disk is not
+seen by a spare that imported it before: restart the kernel. The spare is closed when the
+kernel exits; LABKIT_PREWARM=0 keeps none.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import atexit
 import json
 import os
+import resource
 import signal
 import subprocess
 import sys
@@ -24,6 +27,7 @@ import time
 from collections.abc import Callable
 
 import labkit
+from labkit.kernel.channel.sigint import uninterrupted
 from labkit.kernel.inspection import log_dirs
 from labkit.wire.config import RankConfig
 from labkit.wire.messages import (
@@ -36,19 +40,38 @@ from labkit.wire.messages import (
 )
 
 
-def _origin() -> tuple[str, dict[str, str]]:
-    """What a fork server's ranks inherit from the kernel as it was when the server started."""
+def _umask() -> str | None:
     try:
-        cwd = os.getcwd()
+        with open("/proc/self/status") as f:
+            return next((line.split()[1] for line in f if line.startswith("Umask:")), None)
+    except OSError:
+        return None
+
+
+def _origin() -> tuple:
+    """What a fork server's ranks inherit from the kernel, as it is now: the working directory
+    (its path and the directory itself: one removed and made again is another), the
+    environment, the umask, the nice level, the CPUs it may run on and its resource limits."""
+    try:
+        cwd: tuple = (os.getcwd(), os.stat(".").st_ino, os.stat(".").st_dev)
     except OSError:  # the directory was removed
-        cwd = ""
-    return cwd, dict(os.environ)
+        cwd = ()
+    limits = tuple(
+        resource.getrlimit(getattr(resource, name))
+        for name in ("RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_MEMLOCK", "RLIMIT_NPROC")
+        if hasattr(resource, name)
+    )
+    affinity = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+    return cwd, dict(os.environ), _umask(), os.getpriority(os.PRIO_PROCESS, 0), affinity, limits
 
 
 class ForkServer:
     def __init__(self) -> None:
         self.origin = _origin()
         self.owner = os.getpid()  # the kernel (a process forked from it must not close it)
+        # Linux's parent-death signal follows the thread that starts the server: only one
+        # started on the main thread outlives the lab that started it (`release`)
+        self.on_main_thread = threading.current_thread() is threading.main_thread()
         root = os.path.dirname(os.path.dirname(os.path.abspath(labkit.__file__)))
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
@@ -73,7 +96,8 @@ class ForkServer:
         self.on_exit: Callable[[int, int | None, int], None] | None = None
         self.cond = threading.Condition()
         self.lock = threading.Lock()
-        threading.Thread(target=self._read, name="labkit-forkserver", daemon=True).start()
+        self.reader = threading.Thread(target=self._read, name="labkit-forkserver", daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         try:
@@ -85,23 +109,39 @@ class ForkServer:
             self.cond.notify_all()
 
     def _handle(self, msg: ServerToKernel) -> None:
+        on_exit = None
         with self.cond:
             if msg["type"] == "facts":
                 self.facts = msg
             elif msg["type"] == "spawned":
                 self.spawned[(msg["gen"], msg["rank"])] = msg["pid"]
+                self.exited.pop(msg["pid"], None)  # a pid used again: this one runs
                 if msg["gen"] in self.ended_gens:
                     self.signal([msg["pid"]], signal.SIGKILL)
             elif msg["type"] == "exited":
                 self.exited[msg["pid"]] = msg["code"]
+                on_exit = self.on_exit  # the lab's, read with the exit (`reset` clears it)
             elif msg["type"] == "warm":
                 self.warm = True
             self.cond.notify_all()
-        if msg["type"] == "exited" and self.on_exit is not None:
-            self.on_exit(msg["pid"], msg["rank"], msg["code"])
+        if on_exit is not None:
+            try:
+                on_exit(msg["pid"], msg["rank"], msg["code"])
+            except Exception as e:  # noqa: BLE001 - the reader must outlive a lab's handler
+                print(f"labkit: a rank's exit was not handled: {e!r}", file=sys.stderr)
 
     def alive(self) -> bool:
         return self.proc.poll() is None
+
+    def reusable(self) -> bool:
+        """Whether a lab may fork from this idle server: it and its reader run, this process
+        started it, and what its ranks would inherit is what the kernel has now."""
+        return (
+            self.owner == os.getpid()
+            and self.alive()
+            and self.reader.is_alive()
+            and self.origin == _origin()
+        )
 
     def wait_facts(self, timeout: float = 120.0) -> ServerHello:
         deadline = time.monotonic() + timeout
@@ -215,44 +255,55 @@ _spare: ForkServer | None = None
 _spare_lock = threading.Lock()
 
 
+def _drop(server: ForkServer | None) -> None:
+    """Close a server this process started; forget one a parent started (a forked child)."""
+    if server is not None and server.owner == os.getpid():
+        server.close()
+
+
+def keeps_spare() -> bool:
+    """LABKIT_PREWARM=0: no spare server (none prewarmed, none kept after a stop)."""
+    return os.environ.get("LABKIT_PREWARM", "1") != "0"
+
+
 def prewarm() -> None:
     """Start a spare fork server now, so the next Lab does not wait for torch to import."""
     global _spare
     with _spare_lock:
-        if _spare is None or not _spare.alive():
-            _spare = ForkServer()
+        if _spare is not None and _spare.reusable():
+            return
+        stale, _spare = _spare, ForkServer()
+    _drop(stale)
 
 
 def take() -> ForkServer:
-    """A started fork server: the spare if it is alive and was started from the kernel's
-    present working directory and environment, else a new one."""
+    """A started fork server: the spare if it is `reusable()`, else a new one."""
     global _spare
     with _spare_lock:
         server, _spare = _spare, None
-    if server is not None and server.alive() and server.origin == _origin():
+    if server is not None and server.reusable():
         return server
-    if server is not None:
-        server.close()
+    _drop(server)
     return ForkServer()
 
 
 def release(server: ForkServer) -> None:
-    """Keep a stopped lab's fork server as the spare when it is clean (`ForkServer.reset`) and
-    there is no live spare already; close it otherwise."""
+    """After a lab's stop: keep its fork server as the spare when it is clean
+    (`ForkServer.reset`), reusable and started on the main thread, and no reusable spare is
+    kept already (LABKIT_PREWARM=0: never); close it otherwise."""
     global _spare
-    keep = server.reset()
-    with _spare_lock:
-        if keep and (_spare is None or not _spare.alive()):
-            server, _spare = _spare, server  # close the dead spare instead, if any
-    if server is not None:
-        server.close()
+    with uninterrupted():  # a Stop here must not lose the server before it is kept or closed
+        keep = keeps_spare() and server.on_main_thread and server.reset() and server.reusable()
+        with _spare_lock:
+            if keep and (_spare is None or not _spare.reusable()):
+                server, _spare = _spare, server  # the stale or dead spare is closed instead
+        _drop(server)
 
 
-@atexit.register
+@atexit.register  # after labkit.kernel.lab's `_stop_all` (registered later, so run earlier)
 def close_spare() -> None:
     """Close the spare (at the kernel's exit; tests call it to end their run cleanly)."""
     global _spare
     with _spare_lock:
         server, _spare = _spare, None
-    if server is not None and server.owner == os.getpid():
-        server.close()
+    _drop(server)
