@@ -79,6 +79,9 @@ def _exec(cmd: list[str]) -> int:
     return 1  # not reached
 
 
+IOPUB_TIMEOUT = 120  # seconds a notebook run waits for a cell's outputs after its reply
+
+
 def run_notebook(
     path: str, timeout: int = 600, save_dir: str | None = None
 ) -> tuple[bool, float, str]:
@@ -103,6 +106,11 @@ def execute_notebook(
         timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": os.path.dirname(path)}},
+        # after a cell's reply, wait for its last outputs (nbclient waits 4 s, then drops them
+        # with a log line: on a busy 2-core machine notebook 12 lost three of its views, whose
+        # widget messages came later); outputs still missing then fail the notebook
+        iopub_timeout=IOPUB_TIMEOUT,
+        raise_on_iopub_timeout=True,
     )
     t0 = time.perf_counter()
     try:
