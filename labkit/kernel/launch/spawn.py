@@ -53,7 +53,8 @@ def _origin() -> tuple:
     (its path and the directory itself: one removed and made again is another), the
     environment, the umask, the nice level, the CPUs it may run on and its resource limits."""
     try:
-        cwd: tuple = (os.getcwd(), os.stat(".").st_ino, os.stat(".").st_dev)
+        here = os.stat(".")
+        cwd: tuple = (os.getcwd(), here.st_ino, here.st_dev)
     except OSError:  # the directory was removed
         cwd = ()
     limits = tuple(
