@@ -114,3 +114,33 @@ def test_range_installs_torch_alone_then_its_libraries_only_if_needed(dev, monke
         dev.ensure_torch("2.11.0")
         assert len(dev.ran) == installs and all("--target" in c for c in dev.ran)
         assert "--no-deps" in dev.ran[0] and dev.ran[-1][-1] == "torch==2.11.0"
+
+
+def test_range_runs_each_end_on_its_torch_without_saving_its_notebooks(
+    dev, monkeypatch, capsys
+) -> None:
+    """run_range: each end's subset with that end's torch first on PYTHONPATH, its executed
+    notebooks not saved where the course site reads the whole suite's (the pinned torch's), a
+    line per end with its exit status, and the worst status returned."""
+    monkeypatch.setenv("LABKIT_EXECUTED_DIR", "/somewhere/executed")
+    monkeypatch.setattr(dev, "ensure_torch", lambda version: f"/t/{version}")
+    calls = []
+
+    def call(cmd, env):
+        calls.append((cmd, env))
+        return 1 if env["PYTHONPATH"].startswith("/t/2.14") else 0
+
+    monkeypatch.setattr(dev.subprocess, "call", call)
+    assert dev.run_range(["-q"]) == 1
+    assert [env["PYTHONPATH"].split(os.pathsep)[0] for _, env in calls] == [
+        f"/t/{dev.RANGE['oldest']}",
+        f"/t/{dev.RANGE['newest']}",
+    ]
+    for cmd, env in calls:
+        assert cmd[-1] == "-q" and cmd[3 : 3 + len(dev.RANGE_TESTS)] == dev.RANGE_TESTS
+        assert "LABKIT_EXECUTED_DIR" not in env
+    out = capsys.readouterr().out
+    assert f"torch {dev.RANGE['oldest']} (oldest) exit 0" in out
+    assert f"torch {dev.RANGE['newest']} (newest) exit 1" in out
+    calls.clear()
+    assert dev.run_range(["newest"]) == 1 and len(calls) == 1
