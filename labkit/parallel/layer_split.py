@@ -96,8 +96,12 @@ def send_tensor(
 ) -> list[dist.Work]:
     """Start sending `tensor` to group rank `dst` (after a shape header unless header=False).
 
-    Non-blocking (isend), so two stages that send to each other cannot deadlock; the caller
-    keeps the returned works and `wait()`s on them (which also keeps the buffers alive).
+    Non-blocking (isend): the caller keeps the returned works and `wait()`s on them (which also
+    keeps the buffers alive). Over gloo, two stages that both send before they receive cannot
+    deadlock. Over NCCL, the sends and receives between two ranks run in order on one stream,
+    and a send larger than NCCL's buffers can wait there for the peer's receive: stages that
+    cross large sends can hang, which is why torch's pipelining and Megatron post such a send
+    and receive together (`dist.batch_isend_irecv`).
     Tags 2*tag and 2*tag+1 are used for the header and the data.
     """
     if tensor.dim() > MAX_DIMS:
