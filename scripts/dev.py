@@ -229,7 +229,9 @@ def ensure_torch(version: str) -> str:
     if torch_at(where) == version:
         return where
     shutil.rmtree(where, ignore_errors=True)
-    pip = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--target", where]
+    # no cache: a CUDA build's ~3 GB would be kept twice, and .torch/VERSION is kept anyway
+    pip = [PY, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--no-cache-dir"]
+    pip += ["--target", where]
     sh(*pip, "--no-deps", *index_args(), f"torch=={version}")
     if torch_at(where) is None:  # a CUDA build does not import without its libraries
         sh(*pip, "--upgrade", *index_args(), f"torch=={version}")
