@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import glob
 import os
+import shutil
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -97,12 +101,55 @@ def execute_notebook(
 ) -> tuple[bool, float, str, str]:
     """`run_notebook`, and the whole error besides its summary (a failed cell's traceback)."""
     import nbformat
+
+    nb = nbformat.read(path, as_version=4)
+    with _kernel_config() as config:
+        return _execute(nb, config, path, timeout, save_dir)
+
+
+SOCKET_DIR_MAX = 70  # a longer temporary directory is not used for a kernel's sockets
+
+
+@contextlib.contextmanager
+def _kernel_config() -> Iterator[Any]:
+    """The kernel manager's configuration: the kernel talks over Unix sockets in a directory
+    of its own, removed afterwards. Over TCP (jupyter_client's default) each kernel binds
+    five ports the manager picked free a moment before, so kernels started together can take
+    each other's (seen with 8 notebooks at a time on a 16-core machine), and each kernel warns
+    that TCP is unencrypted. Windows has no Unix sockets for zmq: TCP there."""
+    from traitlets.config import Config
+
+    if os.name == "nt":
+        yield Config()
+        return
+    base = tempfile.gettempdir()
+    if len(base) > SOCKET_DIR_MAX and os.path.isdir("/tmp"):
+        base = "/tmp"  # a Unix socket's path has room for about 107 bytes
+    where = tempfile.mkdtemp(prefix="labkit-kernel-", dir=base)
+    try:
+        yield Config(
+            KernelManager={
+                "transport": "ipc",
+                "connection_file": os.path.join(where, "kernel.json"),
+                "ip": os.path.join(where, "k"),  # absolute: the kernel has another cwd
+            }
+        )
+    finally:
+        shutil.rmtree(where, ignore_errors=True)
+
+
+def _execute(
+    nb: Any, config: Any, path: str, timeout: int, save_dir: str | None
+) -> tuple[bool, float, str, str]:
+    """Run `nb` (read from `path`) on a kernel configured by `config`: execute_notebook's
+    answer."""
+    import nbformat
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError
 
-    nb = nbformat.read(path, as_version=4)
     client = NotebookClient(
         nb,
+        config=config,
         timeout=timeout,
         kernel_name="python3",
         resources={"metadata": {"path": os.path.dirname(path)}},
