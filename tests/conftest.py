@@ -106,7 +106,8 @@ class NotebookBatch:
         self.others_ended: float | None = None  # when the tests beside them had all ended
 
     def results(self) -> dict:
-        """Wait for every notebook; {"wall", "jobs", "runs": {path: (ok, s, error)}, "left"}."""
+        """Wait for every notebook; {"wall", "jobs", "runs": {path: (ok, s, error, whole
+        error)}, "left"}."""
         if self.proc is None:
             return {"wall": 0.0, "jobs": NOTEBOOK_JOBS, "runs": {}, "left": ""}
         if self.others_ended is None:

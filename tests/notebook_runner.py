@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from processes import become_subreaper, descendants, describe, end, wait_gone
 
-from labkit.tools.cli import run_notebook
+from labkit.tools.cli import execute_notebook
 
 # where each notebook that passed is saved, executed, for the course site (tests/test_notebooks.py)
 SAVE_DIR = os.environ.get("LABKIT_EXECUTED_DIR") or None
@@ -37,10 +37,12 @@ def main(out: str, jobs: int, paths: list[str]) -> None:
     t0 = time.perf_counter()
     spans: dict[str, list[float]] = {}  # path -> [started, ended], seconds after t0
 
-    def run(path: str) -> tuple[bool, float, str]:
+    def run(path: str) -> tuple[bool, float, str, str]:
+        """(passed, seconds, the error's summary, the whole error: the failed cell, its
+        traceback)."""
         spans[path] = [time.perf_counter() - t0]
         try:
-            return run_notebook(path, 600, SAVE_DIR)
+            return execute_notebook(path, 600, SAVE_DIR)
         finally:
             spans[path].append(time.perf_counter() - t0)
 

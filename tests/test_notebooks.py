@@ -19,6 +19,7 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NOTEBOOKS = sorted(glob.glob(os.path.join(ROOT, "notebooks", "*.ipynb")))
+WHOLE_ERROR_MAX = 6000  # characters of a failed notebook's error shown
 
 
 def test_there_are_notebooks():
@@ -27,8 +28,9 @@ def test_there_are_notebooks():
 
 @pytest.fixture(scope="module")
 def notebook_results(notebook_batch) -> dict[str, list]:
-    """Every selected notebook's run_notebook result, path -> (ok, seconds, error), from the
-    batch conftest's `notebook_batch` started beside the other tests."""
+    """Every selected notebook's execute_notebook result, path -> (ok, seconds, error, the
+    whole error), from the batch conftest's `notebook_batch` started beside the other
+    tests."""
     got = notebook_batch.results()  # conftest's terminal summary reports their times
     assert not got["left"], f"the notebooks left processes running (now ended):\n{got['left']}"
     return got["runs"]
@@ -38,5 +40,7 @@ def notebook_results(notebook_batch) -> dict[str, list]:
 @pytest.mark.timeout(3600)  # the first one waits for all of them; each cell has its own 600 s
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[os.path.basename(p) for p in NOTEBOOKS])
 def test_notebook_runs(path, notebook_results):
-    ok, seconds, error = notebook_results[path]
-    assert ok, f"{os.path.basename(path)} failed after {seconds:.1f} s: {error}"
+    ok, seconds, error, whole = notebook_results[path]
+    # the failed cell's source and traceback (its end, where the assert is), so a log shows why
+    detail = whole if len(whole) <= WHOLE_ERROR_MAX else "...\n" + whole[-WHOLE_ERROR_MAX:]
+    assert ok, f"{os.path.basename(path)} failed after {seconds:.1f} s: {error}\n{detail}"
