@@ -103,3 +103,23 @@ def test_a_forked_child_dumps_into_a_file_of_its_own():
     os.close(read)
     os.waitpid(pid, 0)
     assert stacks._dump is first
+
+
+def test_the_heartbeat_reads_the_stacks_only_for_a_long_cell_outside_collectives(monkeypatch):
+    """faulthandler's dump of every thread crashed a rank once (python/cpython#116008: it
+    reads other threads' states without locks while gloo's callbacks make and end threads),
+    so the status's line comes from the traced call the main thread is in when there is one,
+    is left out for a cell younger than LINE_AFTER_S, and only then is read from the dump."""
+    import time
+
+    from labkit.rank import side
+
+    dumps: list[int] = []
+    monkeypatch.setattr(stacks, "running_line", lambda: dumps.append(1) or 7)
+    channel = side.SideChannel()
+    channel.busy_since = time.monotonic()
+    assert channel._cell_line(None) is None and dumps == []  # a short cell: no dump
+    assert channel._cell_line({"op": "all_reduce", "line": 3}) == 3 and dumps == []
+    channel.busy_since = time.monotonic() - side.LINE_AFTER_S
+    assert channel._cell_line({"op": "all_reduce", "line": 3}) == 3 and dumps == []
+    assert channel._cell_line(None) == 7 and dumps == [1]  # a long cell outside collectives

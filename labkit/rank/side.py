@@ -45,6 +45,7 @@ SIDE_POLL_S = 0.05  # how often the heartbeat thread reads Stop and requests for
 # wake 4 times a second instead of 20 (a Stop for the next cell is read as it begins anyway)
 SIDE_POLL_IDLE_S = 0.25
 DROWSY_AFTER_S = 2.0
+LINE_AFTER_S = 1.0  # a cell's line is read from the threads' stacks once it has run this long
 RESTOP_S = 1.0  # a stopped cell whose code goes on running is interrupted again after this
 
 
@@ -60,6 +61,7 @@ class SideChannel:
     stream_seq: int
     busy_cell: int | None
     quiet_since: float  # when the last cell ended (the main thread sets it)
+    busy_since = 0.0  # when the running cell began (the main thread sets it)
     in_user_code: bool
     taken: int
     stop_cell: int | None
@@ -167,9 +169,8 @@ class SideChannel:
             if memory is not None:
                 status["cuda_memory"] = memory
             if self.busy_cell is not None:
-                status.update(
-                    line=stacks.running_line(), op=trace.current(), progress=trace.progress()
-                )
+                op = trace.current()
+                status.update(line=self._cell_line(op), op=op, progress=trace.progress())
             try:
                 self.send_side(status)
             except zmq.ZMQError:
@@ -181,6 +182,20 @@ class SideChannel:
                 if self.busy_cell is not None and not busy:
                     break  # a cell began: say so now
                 self._read_side()
+
+    def _cell_line(self, op: dict[str, Any] | None) -> int | None:
+        """The line the running cell is at, for the kernel's status: a traced call's own (the
+        tracer took it on the main thread); else, once the cell has run LINE_AFTER_S, read
+        from faulthandler's dump of every thread's stack. That dump reads the other threads'
+        states without the interpreter's locks and killed a rank with SIGSEGV once in a whole
+        run (CPython 3.11, python/cpython#116008: threads made and ended meanwhile, as gloo's
+        callbacks do around collectives), so it is taken as seldom as the status needs it:
+        not for short cells, and not inside collectives."""
+        if op is not None:
+            return op.get("line")
+        if time.monotonic() - self.busy_since < LINE_AFTER_S:
+            return None
+        return stacks.running_line()
 
     def _poll_interval(self) -> float:
         """SIDE_POLL_S while a cell runs or soon after one; SIDE_POLL_IDLE_S once quiet."""

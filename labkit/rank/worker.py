@@ -236,6 +236,7 @@ class Rank(SideChannel):
     def execute(self, msg: Exec) -> None:
         cell = msg["id"]
         trace.begin_cell(cell, self.rank)
+        self.busy_since = time.monotonic()
         self.busy_cell = cell
         value = error = None
         t0 = time.perf_counter()
