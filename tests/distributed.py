@@ -17,18 +17,11 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import pickle
-import socket
 import time
 import traceback
 from collections.abc import Callable
 from multiprocessing.connection import wait
 from typing import Any
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _entry(fn, rank, world_size, port, args, conn):
@@ -42,7 +35,9 @@ def _entry(fn, rank, world_size, port, args, conn):
         LOCAL_RANK=str(rank),
     )
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # the store is run_ranks' own, already listening: every rank is its client
+        store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size)
         answer = (True, fn(rank, world_size, *args))
     except BaseException:
         answer = (False, traceback.format_exc())
@@ -91,8 +86,14 @@ def stop_forkserver() -> None:
 
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 240) -> list:
+    import torch.distributed as dist
+
     ctx = _context()
-    port = _free_port()
+    # the rendezvous store listens here, on a port the OS gave it: a port found free and then
+    # bound by rank 0 could be taken in between by the other pytest's ranks (a loaded run's
+    # rank then joined another test's store and failed in connectFullMesh)
+    store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False)
+    port = store.port
     conns, procs = {}, {}
     try:
         for r in range(world_size):
@@ -110,6 +111,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout: floa
                 p.join()
         for c in conns.values():
             c.close()
+        del store  # closes its port
 
 
 def _collect(conns: dict, procs: dict, deadline: float, timeout: float) -> list:
